@@ -1,0 +1,391 @@
+"""The gradient accumulator: the one place where gradaccum does its math.
+
+A window of micro-batches ``i`` with gradients ``g_i`` and weights ``w_i`` becomes
+one update with the combined gradient
+
+    G = sum_i w_i g_i / sum_i w_i      (reduction "mean")
+    G = sum_i g_i                      (reduction "sum")
+
+Everything else in gradaccum (the Keras ``fit()`` integration, distribution, mixed
+precision) feeds this class and reuses its variables rather than re-deriving them.
+"""
+
+from __future__ import annotations
+
+import re
+
+import tensorflow as tf
+
+from gradaccum._validation import check_choice, check_steps, check_weight_value
+
+REDUCTIONS = ("mean", "sum")
+ACCUMULATOR_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+class _Untracked:
+    """Holds objects without making them checkpoint dependencies of a module.
+
+    The accumulator refers to the model's variables but does not own them: a
+    checkpoint of the accumulator saves the accumulation state only.
+    """
+
+    def __init__(self, value):
+        self.value = value
+
+
+def _variable_name(variable) -> str:
+    name = getattr(variable, "path", None) or variable.name
+    name = name.split(":")[0]
+    return re.sub(r"[^A-Za-z0-9_./-]", "_", name)
+
+
+def check_accumulator_dtype(accumulator_dtype) -> tf.DType:
+    """Returns the accumulator dtype, or raises the fixed-form ValueError."""
+    try:
+        dtype = tf.as_dtype(accumulator_dtype)
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.name not in ACCUMULATOR_DTYPES:
+        allowed = ", ".join(repr(d) for d in ACCUMULATOR_DTYPES)
+        raise ValueError(
+            f"`accumulator_dtype` must be a floating dtype, one of {allowed}. "
+            f"Received: accumulator_dtype={accumulator_dtype!r}"
+        )
+    return dtype
+
+
+def _check_variables(variables) -> list:
+    try:
+        listed = None if isinstance(variables, (str, bytes)) else list(variables)
+    except TypeError:
+        listed = None
+    if not listed:
+        raise ValueError(
+            "`variables` must be a non-empty list of variables. "
+            f"Received: variables={variables!r}"
+        )
+    for v in listed:
+        if not all(hasattr(v, attr) for attr in ("shape", "dtype", "assign")):
+            raise ValueError(
+                "`variables` must be a non-empty list of variables. "
+                f"Received: an element of type {type(v).__name__}: {v!r}"
+            )
+    return listed
+
+
+class GradientAccumulator(tf.Module):
+    """Accumulates micro-batch gradients and applies their combination.
+
+    The accumulator keeps one float32 (by default) copy of each variable's gradient,
+    the total weight of the micro-batches in the open window and their count. It
+    works eagerly, inside `tf.function` and with `jit_compile=True`; its state is
+    TensorFlow variables, so `tf.train.Checkpoint(accumulator=acc)` saves it and a
+    run restored in the middle of a window goes on exactly.
+
+    Args:
+        variables: the (trainable) variables whose gradients are accumulated, in the
+            order of the gradient lists passed to `accumulate` and `step`.
+        steps: micro-batches per window, used by `step`. `None` when the caller
+            decides when to `apply`.
+        reduction: `"mean"` (default): `G = sum(w_i g_i) / sum(w_i)`, which equals
+            the gradient on the concatenated window when `w_i` is the micro-batch's
+            loss normalizer (its batch size for a per-sample mean loss, its token
+            count for a per-token mean). `"sum"`: `G = sum(g_i)`, weights ignored
+            (the learning rate then scales with the window).
+        accumulator_dtype: dtype of the accumulators; `"float32"` whatever the
+            variables' dtype, so bfloat16/float16 gradients lose nothing.
+        name: name scope of the accumulator's variables.
+
+    Raises:
+        ValueError: on an empty variable list, invalid `steps`, an unknown
+            `reduction` or a non-floating `accumulator_dtype`.
+
+    Example:
+
+    >>> import tensorflow as tf, keras, gradaccum
+    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    >>> optimizer = keras.optimizers.Adam(1e-2)
+    >>> acc = gradaccum.GradientAccumulator(model.trainable_variables, steps=2)
+    >>> x, y = tf.ones((8, 3)), tf.zeros((8, 1))
+    >>> @tf.function
+    ... def train_step(x, y):
+    ...     with tf.GradientTape() as tape:
+    ...         loss = keras.losses.mean_squared_error(y, model(x))
+    ...         loss = tf.reduce_mean(loss)
+    ...     grads = tape.gradient(loss, model.trainable_variables)
+    ...     return acc.step(optimizer, grads, weight=tf.shape(x)[0])
+    >>> [bool(train_step(x[i:i + 4], y[i:i + 4])) for i in (0, 4)]
+    [False, True]
+    >>> int(optimizer.iterations), int(acc.micro_step)
+    (1, 0)
+    """
+
+    def __init__(
+        self,
+        variables,
+        *,
+        steps: int | None = None,
+        reduction: str = "mean",
+        accumulator_dtype="float32",
+        name: str = "gradient_accumulator",
+    ):
+        super().__init__(name=name)
+        variables = _check_variables(variables)
+        self._steps = check_steps(steps, allow_none=True)
+        self._reduction = check_choice("reduction", reduction, REDUCTIONS)
+        self._accumulator_dtype = check_accumulator_dtype(accumulator_dtype)
+        weight_dtype = tf.float64 if self._accumulator_dtype == tf.float64 else tf.float32
+        self._targets = _Untracked(tuple(variables))
+        # Variables that got a gradient in some `accumulate` call (known at trace
+        # time); the others are left out of the update as Keras leaves out a
+        # variable whose gradient is None.
+        self._received = _Untracked([False] * len(variables))
+        with tf.name_scope(name):
+            self._accumulators = [
+                tf.Variable(
+                    tf.zeros(v.shape, self._accumulator_dtype),
+                    trainable=False,
+                    name=f"accumulator/{_variable_name(v)}",
+                )
+                for v in variables
+            ]
+            self._micro_step = tf.Variable(
+                tf.constant(0, tf.int64), trainable=False, name="micro_step"
+            )
+            self._total_weight = tf.Variable(
+                tf.constant(0, weight_dtype), trainable=False, name="total_weight"
+            )
+
+    # Read-only views -------------------------------------------------------------
+
+    @property
+    def steps(self) -> int | None:
+        """Micro-batches per window used by `step` (None: the caller decides)."""
+        return self._steps
+
+    @property
+    def reduction(self) -> str:
+        """`"mean"` or `"sum"`."""
+        return self._reduction
+
+    @property
+    def accumulator_dtype(self) -> tf.DType:
+        """The dtype of the accumulators."""
+        return self._accumulator_dtype
+
+    @property
+    def target_variables(self) -> tuple:
+        """The variables whose gradients are accumulated."""
+        return self._targets.value
+
+    @property
+    def accumulators(self) -> list[tf.Variable]:
+        """One accumulator variable per target variable (weighted gradient sums)."""
+        return list(self._accumulators)
+
+    @property
+    def micro_step(self) -> tf.Variable:
+        """Micro-batches accumulated in the open window (int64 variable)."""
+        return self._micro_step
+
+    @property
+    def total_weight(self) -> tf.Variable:
+        """Sum of the weights of the micro-batches in the open window."""
+        return self._total_weight
+
+    # Accumulation ----------------------------------------------------------------
+
+    def accumulate(self, gradients, weight=1.0) -> None:
+        """Adds one micro-batch's gradients with its weight.
+
+        Args:
+            gradients: one entry per target variable: a tensor, a `tf.IndexedSlices`
+                (scatter-added, never densified) or `None` (that variable keeps what
+                it had accumulated: its gradient counts as zero here).
+            weight: the micro-batch's weight `w_i` (e.g. its batch size or token
+                count), a scalar >= 0. Ignored by reduction `"sum"` except in
+                `total_weight`.
+
+        Raises:
+            ValueError: a gradients list of the wrong length, a gradient whose shape
+                does not match its variable, or (when executing eagerly) a weight
+                that is negative, non-finite or not a scalar.
+        """
+        gradients = self._check_gradients(gradients)
+        weight = self._check_weight(weight)
+        for i, (grad, acc) in enumerate(zip(gradients, self._accumulators)):
+            if grad is None:
+                continue
+            self._received.value[i] = True
+            if isinstance(grad, tf.IndexedSlices):
+                values = tf.cast(grad.values, acc.dtype)
+                if self._reduction == "mean":
+                    values = values * tf.cast(weight, acc.dtype)
+                acc.scatter_add(tf.IndexedSlices(values, grad.indices, grad.dense_shape))
+            else:
+                grad = tf.cast(grad, acc.dtype)
+                if self._reduction == "mean":
+                    grad = grad * tf.cast(weight, acc.dtype)
+                acc.assign_add(grad)
+        self._micro_step.assign_add(1)
+        self._total_weight.assign_add(weight)
+
+    def gradients(self) -> list:
+        """The combined gradient of the open window, without resetting.
+
+        Returns:
+            One tensor per target variable, in the variable's dtype (`None` for a
+            variable that never received a gradient). With nothing accumulated, or a
+            total weight of 0 under reduction `"mean"`, the gradients are zeros.
+        """
+        if self._reduction == "mean":
+            scale = tf.math.divide_no_nan(
+                tf.constant(1, self._total_weight.dtype), self._total_weight.read_value()
+            )
+        combined = []
+        for received, acc, var in zip(
+            self._received_mask(), self._accumulators, self.target_variables
+        ):
+            if not received:
+                combined.append(None)
+                continue
+            grad = acc.read_value()
+            if self._reduction == "mean":
+                grad = grad * tf.cast(scale, acc.dtype)
+            combined.append(tf.cast(grad, tf.as_dtype(var.dtype)))
+        return combined
+
+    def reset(self) -> None:
+        """Empties the open window: accumulators, weight total and micro-step."""
+        for acc in self._accumulators:
+            acc.assign(tf.zeros_like(acc))
+        self._micro_step.assign(0)
+        self._total_weight.assign(tf.zeros_like(self._total_weight))
+
+    def apply(self, optimizer):
+        """Applies the combined gradient of the open window, then resets.
+
+        A full or a partial window is normalized by its own weights (never scaled by
+        r/k). With nothing accumulated this is a no-op.
+
+        Args:
+            optimizer: a Keras optimizer; it sees one `apply_gradients` call per
+                update, so its `iterations`, schedules, clipping, weight decay and
+                EMA count updates.
+
+        Returns:
+            A boolean tensor: whether an update happened.
+        """
+        return self.apply_if(optimizer, True)
+
+    def apply_if(self, optimizer, condition):
+        """Applies and resets when `condition` holds and the window is not empty.
+
+        Graph-safe (`tf.cond`); the building block of `step` and of partial-window
+        policies (apply at the end of the data).
+
+        Args:
+            optimizer: a Keras optimizer.
+            condition: a Python or tensor boolean.
+
+        Returns:
+            A boolean tensor: whether an update happened.
+        """
+        self._prepare_optimizer(optimizer)
+
+        def update():
+            grads_and_vars = [
+                (g, v)
+                for g, v in zip(self.gradients(), self.target_variables)
+                if g is not None
+            ]
+            optimizer.apply_gradients(grads_and_vars)
+            self.reset()
+            return tf.constant(True)
+
+        pred = tf.logical_and(
+            tf.cast(condition, tf.bool), self._micro_step > 0
+        )
+        return tf.cond(pred, update, lambda: tf.constant(False))
+
+    def step(self, optimizer, gradients, weight=1.0):
+        """Accumulates a micro-batch, and applies when `steps` micro-batches are in.
+
+        Args:
+            optimizer: a Keras optimizer.
+            gradients: as for `accumulate`.
+            weight: as for `accumulate`.
+
+        Returns:
+            A boolean tensor: whether this call made an update.
+
+        Raises:
+            ValueError: if the accumulator was created without `steps`, or as
+                `accumulate` does.
+        """
+        if self._steps is None:
+            raise ValueError(
+                "`steps` must be an integer >= 1 to use `step()`. Received: "
+                "steps=None. Pass `steps=` to GradientAccumulator, or call "
+                "`accumulate()` and `apply()` yourself."
+            )
+        self.accumulate(gradients, weight)
+        return self.apply_if(optimizer, self._micro_step >= self._steps)
+
+    # Internals -------------------------------------------------------------------
+
+    def _received_mask(self) -> list[bool]:
+        received = self._received.value
+        # Before any accumulate call has been seen (e.g. `apply` traced first),
+        # nothing is known: keep every variable.
+        return received if any(received) else [True] * len(received)
+
+    def _prepare_optimizer(self, optimizer) -> None:
+        if getattr(optimizer, "gradient_accumulation_steps", None):
+            raise ValueError(
+                "The optimizer must not accumulate gradients itself when gradaccum "
+                "does. Received: gradient_accumulation_steps="
+                f"{optimizer.gradient_accumulation_steps}. Create the optimizer "
+                "without `gradient_accumulation_steps`."
+            )
+        if not getattr(optimizer, "built", True):
+            # Create the slots outside any `tf.cond` branch.
+            optimizer.build(list(self.target_variables))
+
+    def _check_gradients(self, gradients) -> list:
+        gradients = list(gradients)
+        variables = self.target_variables
+        if len(gradients) != len(variables):
+            raise ValueError(
+                f"`gradients` must have one entry per variable ({len(variables)}). "
+                f"Received: {len(gradients)} gradients."
+            )
+        checked = []
+        for grad, var in zip(gradients, variables):
+            if grad is not None and not isinstance(grad, tf.IndexedSlices):
+                grad = tf.convert_to_tensor(grad)
+            if grad is not None:
+                sparse = isinstance(grad, tf.IndexedSlices)
+                shape = grad.values.shape if sparse else grad.shape
+                # IndexedSlices hold rows: only the trailing dimensions must match.
+                if not tf.TensorShape(shape[1:] if sparse else shape).is_compatible_with(
+                    var.shape[1:] if sparse else var.shape
+                ):
+                    raise ValueError(
+                        f"The gradient of variable '{_variable_name(var)}' must have "
+                        f"shape {tuple(var.shape)}. Received: shape={tuple(shape)}"
+                    )
+            checked.append(grad)
+        return checked
+
+    def _check_weight(self, weight):
+        if isinstance(weight, tf.Tensor) and not tf.executing_eagerly():
+            if weight.shape.rank not in (None, 0) and weight.shape.num_elements() != 1:
+                raise ValueError(
+                    "`weight` must be a scalar. "
+                    f"Received: weight with shape {tuple(weight.shape)}"
+                )
+        else:
+            check_weight_value(weight.numpy() if hasattr(weight, "numpy") else weight)
+        weight = tf.cast(weight, self._total_weight.dtype)
+        return tf.reshape(weight, ())

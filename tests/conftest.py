@@ -1,0 +1,73 @@
+"""Shared helpers: small models with fixed weights and large-batch references."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+OPTIMIZERS = {
+    "sgd": lambda: keras.optimizers.SGD(0.1),
+    "sgd_nesterov": lambda: keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+    "rmsprop": lambda: keras.optimizers.RMSprop(0.01),
+    "adagrad": lambda: keras.optimizers.Adagrad(0.1),
+}
+
+
+def make_mlp(seed: int = 0, dtype: str = "float32") -> keras.Model:
+    """A 5 -> 8 -> 3 MLP whose initial weights depend only on `seed`."""
+    model = keras.Sequential(
+        [
+            keras.Input((5,)),
+            keras.layers.Dense(8, activation="tanh", dtype=dtype),
+            keras.layers.Dense(3, dtype=dtype),
+        ]
+    )
+    rng = np.random.default_rng(seed)
+    model.set_weights([rng.normal(0, 0.5, w.shape).astype(w.dtype) for w in model.get_weights()])
+    return model
+
+
+def make_data(n: int, seed: int = 1):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 5)).astype("float32")
+    y = rng.integers(0, 3, size=(n,)).astype("int32")
+    return x, y
+
+
+def mean_loss(model, x, y):
+    """Per-sample mean cross-entropy: the micro-batch loss L_i = S_i / n_i."""
+    logits = model(x, training=True)
+    return tf.reduce_mean(
+        keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
+    )
+
+
+def grads_of(model, x, y, loss=mean_loss):
+    with tf.GradientTape() as tape:
+        value = loss(model, x, y)
+    return tape.gradient(value, model.trainable_variables)
+
+
+def assert_same_state(model_a, opt_a, model_b, opt_b, rtol=1e-5, atol=1e-6):
+    """Weights and every optimizer variable (slots, iterations) agree."""
+    for a, b in zip(model_a.get_weights(), model_b.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
+    assert len(opt_a.variables) == len(opt_b.variables)
+    for va, vb in zip(opt_a.variables, opt_b.variables):
+        np.testing.assert_allclose(
+            np.asarray(va), np.asarray(vb), rtol=rtol, atol=atol, err_msg=va.path
+        )
+
+
+@pytest.fixture(autouse=True)
+def _fresh_keras_session():
+    keras.utils.clear_session()
+    yield
