@@ -5,5 +5,5 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$root/scripts/setup.sh"
 cd "$root"
-python -m ruff check src tests examples benchmarks
+python -m ruff check .
 exec python -m pytest "$@"

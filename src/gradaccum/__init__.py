@@ -10,7 +10,8 @@ from gradaccum._tf import require_tensorflow as _require_tensorflow
 _require_tensorflow()
 
 from gradaccum.accumulator import GradientAccumulator  # noqa: E402
+from gradaccum.keras_model import AccumulatingModel, wrap  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["GradientAccumulator", "__version__"]
+__all__ = ["AccumulatingModel", "GradientAccumulator", "__version__", "wrap"]

@@ -1,0 +1,492 @@
+"""The Keras `fit()` integration: `wrap(model, steps=k)`.
+
+`AccumulatingModel` trains the wrapped model's own variables. Each `train_step` is
+one micro-batch: forward, backward, `GradientAccumulator.accumulate` with the
+micro-batch's weight, and an update when the window is full or the epoch's data
+ends (partial windows, by policy). All of it runs inside the compiled train
+function: no host round trip and no Python work per micro-batch.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+import tensorflow as tf
+
+from gradaccum import _keras_compat as kc
+from gradaccum._validation import check_choice, check_steps
+from gradaccum.accumulator import GradientAccumulator, _Untracked, check_accumulator_dtype
+from gradaccum.weighting import (
+    NormalizerLog,
+    callable_weight,
+    check_weighting,
+    record_normalizers,
+)
+
+PARTIALS = ("flush", "carry", "drop")
+REDUCTIONS = ("mean", "sum")
+
+
+class _UpdatesMetric(keras.metrics.Metric):
+    """Shows the optimizer's update count (`iterations`) in the logs of fit."""
+
+    def __init__(self, trainer, name="updates"):
+        super().__init__(name=name)
+        self._trainer = _Untracked(trainer)
+
+    def update_state(self, *args, **kwargs):
+        pass
+
+    def reset_state(self):
+        pass
+
+    def result(self):
+        optimizer = self._trainer.value.optimizer
+        if optimizer is None:
+            return tf.constant(0.0)
+        return tf.cast(optimizer.iterations, tf.float32)
+
+
+class _FitState(tf.Module):
+    """Accumulation state of fit: the accumulator and the epoch position."""
+
+    def __init__(self, variables, steps, reduction, accumulator_dtype, terms=0):
+        super().__init__(name="gradaccum_fit_state")
+        self.accumulator = GradientAccumulator(
+            variables,
+            steps=steps,
+            reduction=reduction,
+            accumulator_dtype=accumulator_dtype,
+        )
+        int64 = dict(dtype=tf.int64, trainable=False)
+        # Micro-batches seen in the current epoch, its length (-1: unknown), and
+        # micro-batches to skip after a restore in the middle of an epoch.
+        self.epoch_step = tf.Variable(0, name="epoch_step", **int64)
+        self.epoch_length = tf.Variable(-1, name="epoch_length", **int64)
+        self.resume_skip = tf.Variable(0, name="resume_skip", **int64)
+        # Several loss terms: their normalizer ratios at the window's start, and
+        # whether a window had ratios that differ (then one weight is not exact).
+        self.term_ratios = tf.Variable(
+            tf.zeros([terms], tf.float32), trainable=False, name="term_ratios"
+        )
+        self.inexact = tf.Variable(False, trainable=False, name="inexact")
+
+    def saved_variables(self) -> dict[str, tf.Variable]:
+        acc = self.accumulator
+        named = {f"accumulator_{i}": v for i, v in enumerate(acc.accumulators)}
+        named.update(
+            micro_step=acc.micro_step,
+            total_weight=acc.total_weight,
+            epoch_step=self.epoch_step,
+            resume_skip=self.resume_skip,
+        )
+        return named
+
+
+class _EpochHook(keras.callbacks.Callback):
+    """Runs first among fit's callbacks: epoch position and end-of-data windows."""
+
+    def __init__(self, trainer):
+        super().__init__()
+        self._trainer = _Untracked(trainer)
+        self._first_epoch = True
+
+    def on_train_begin(self, logs=None):
+        steps = (self.params or {}).get("steps")
+        self._trainer.value._fit_state.epoch_length.assign(steps if steps else -1)
+        self._first_epoch = True
+
+    def on_epoch_begin(self, epoch, logs=None):
+        state = self._trainer.value._fit_state
+        if self._first_epoch and int(state.epoch_step) > 0:
+            # Restored (BackupAndRestore) in the middle of an epoch: the epoch
+            # restarts from its first batch, so skip what was already trained on.
+            state.resume_skip.assign(state.epoch_step)
+        state.epoch_step.assign(0)
+        self._first_epoch = False
+
+    def on_epoch_end(self, epoch, logs=None):
+        trainer = self._trainer.value
+        trainer._end_of_data()
+        trainer._fit_state.epoch_step.assign(0)
+        if logs is not None and "updates" in logs:
+            logs["updates"] = float(trainer.optimizer.iterations)
+        trainer._warn_if_inexact()
+
+    def on_train_end(self, logs=None):
+        self._trainer.value._end_of_data()
+
+
+@keras.saving.register_keras_serializable(package="gradaccum")
+class AccumulatingModel(keras.Model):
+    """A `keras.Model` that trains `model` with exact gradient accumulation.
+
+    Created by `gradaccum.wrap`; see there for the arguments. `trainer.model` is the
+    wrapped model: it holds the trained weights, and `trainer.model.save()` writes a
+    plain Keras model.
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        steps: int,
+        weighting="exact",
+        partial: str = "flush",
+        reduction: str = "mean",
+        accumulator_dtype="float32",
+        **kwargs,
+    ):
+        if not isinstance(model, keras.Model):
+            raise ValueError(
+                "`model` must be a keras.Model. "
+                f"Received: model={model!r} of type {type(model).__name__}"
+            )
+        if isinstance(model, AccumulatingModel):
+            raise ValueError(
+                "`model` must be a keras.Model that is not already wrapped. "
+                f"Received: model={model.name!r}, a gradaccum AccumulatingModel; "
+                "wrap its `.model` instead."
+            )
+        kwargs.setdefault("name", f"gradaccum_{model.name}")
+        super().__init__(**kwargs)
+        self.model = model
+        self.steps = check_steps(steps)
+        self.weighting = check_weighting(weighting)
+        self.partial = check_choice("partial", partial, PARTIALS)
+        self.reduction = check_choice("reduction", reduction, REDUCTIONS)
+        self.accumulator_dtype = check_accumulator_dtype(accumulator_dtype).name
+        self._normalizers = NormalizerLog()
+        self._updates = _UpdatesMetric(self)
+        self._fit_state = None
+        self._end_of_data_function = None
+        self._inexact_warned = False
+        if model.built:
+            self.built = True
+
+    # Keras model protocol --------------------------------------------------------
+
+    def call(self, inputs, training=None):
+        return self.model(inputs, training=training)
+
+    def compile(self, optimizer="rmsprop", loss=None, *args, **kwargs):
+        optimizer = keras.optimizers.get(optimizer)
+        if getattr(optimizer, "gradient_accumulation_steps", None):
+            raise ValueError(
+                "The optimizer must not accumulate gradients itself when gradaccum "
+                "does. Received: gradient_accumulation_steps="
+                f"{optimizer.gradient_accumulation_steps}. Create the optimizer "
+                "without `gradient_accumulation_steps`."
+            )
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            raise ValueError(
+                "`optimizer` must not be a LossScaleOptimizer: loss scaling under "
+                "accumulation is not supported by this version of gradaccum. "
+                "Received: optimizer=LossScaleOptimizer"
+            )
+        if self.weighting == "exact":
+            loss = record_normalizers(loss, self._normalizers)
+        super().compile(optimizer, loss, *args, **kwargs)
+        self._fit_state = None
+        self._end_of_data_function = None
+
+    def compile_from_config(self, config):
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if self.built:
+            self.optimizer.build(self.trainable_variables)
+
+    def get_config(self):
+        weighting = self.weighting
+        if callable(weighting):
+            weighting = keras.saving.serialize_keras_object(weighting)
+        return {
+            "model": keras.saving.serialize_keras_object(self.model),
+            "steps": self.steps,
+            "weighting": weighting,
+            "partial": self.partial,
+            "reduction": self.reduction,
+            "accumulator_dtype": self.accumulator_dtype,
+            "name": self.name,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        model = keras.saving.deserialize_keras_object(
+            config.pop("model"), custom_objects=custom_objects
+        )
+        weighting = config.pop("weighting")
+        if not isinstance(weighting, str):
+            weighting = keras.saving.deserialize_keras_object(
+                weighting, custom_objects=custom_objects
+            )
+        return cls(model, weighting=weighting, **config)
+
+    def make_train_function(self, force=False):
+        self._ensure_fit_state()
+        return super().make_train_function(force=force)
+
+    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
+            callbacks=None, **kwargs):
+        hook = _EpochHook(self)
+        if isinstance(callbacks, keras.callbacks.CallbackList):
+            callbacks.callbacks.insert(0, hook)
+        else:
+            callbacks = [hook, *(callbacks or [])]
+        if self._fit_state is not None:
+            # A new fit starts at an epoch's beginning; BackupAndRestore may then
+            # restore a position inside an epoch.
+            self._fit_state.epoch_step.assign(0)
+            self._fit_state.resume_skip.assign(0)
+        return super().fit(
+            x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
+            callbacks=callbacks, **kwargs,
+        )
+
+    def evaluate(self, *args, **kwargs):
+        if kwargs.get("_use_cached_eval_dataset"):
+            # Validation inside fit sees the epoch's partial window applied.
+            self._end_of_data()
+        return super().evaluate(*args, **kwargs)
+
+    def train_step(self, data):
+        state = self._fit_state
+        # The training branch is traced first: it builds the metrics that the
+        # skipping branch (after a restore in the middle of an epoch) reports.
+        return tf.cond(
+            state.resume_skip <= 0,
+            lambda: self._micro_batch_step(data),
+            self._skip_micro_batch,
+        )
+
+    def test_step(self, data):
+        logs = super().test_step(data)
+        logs.pop(self._updates.name, None)
+        return logs
+
+    # Saving: the accumulation state travels with the weights ---------------------
+
+    def save_own_variables(self, store):
+        super().save_own_variables(store)
+        if self._fit_state is not None:
+            for key, variable in self._fit_state.saved_variables().items():
+                store[f"gradaccum_{key}"] = variable.numpy()
+
+    def load_own_variables(self, store):
+        keys = set(store.keys())
+        ours = {k for k in keys if k.startswith("gradaccum_")}
+        if ours:
+            self._ensure_fit_state()
+            for key, variable in self._fit_state.saved_variables().items():
+                if f"gradaccum_{key}" in keys:
+                    variable.assign(store[f"gradaccum_{key}"])
+        super().load_own_variables({k: store[k] for k in keys - ours})
+
+    # Internals ---------------------------------------------------------------
+
+    def _ensure_fit_state(self):
+        if self._fit_state is not None:
+            return
+        if not self.model.built:
+            raise ValueError(
+                "The wrapped model must be built before its accumulation state is "
+                f"created. Received: model {self.model.name!r} that is not built. "
+                "Call fit() (which builds it) or call the model on a batch first."
+            )
+        if not self.trainable_variables:
+            raise ValueError(
+                "The wrapped model must have trainable variables to accumulate "
+                f"gradients of. Received: model {self.model.name!r} with none."
+            )
+        terms = max(0, _count_losses(getattr(self, "_compile_loss", None)) - 1)
+        self._fit_state = _FitState(
+            self.trainable_variables,
+            self.steps,
+            self.reduction,
+            self.accumulator_dtype,
+            terms=terms,
+        )
+
+    def _skip_micro_batch(self):
+        state = self._fit_state
+        state.resume_skip.assign_sub(1)
+        state.epoch_step.assign_add(1)
+        return self.get_metrics_result()
+
+    def _micro_batch_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        state = self._fit_state
+        variables = list(state.accumulator.target_variables)
+        self._normalizers.take()
+        with tf.GradientTape() as tape:
+            if self._call_has_training_arg:
+                y_pred = self(x, training=True)
+            else:
+                y_pred = self(x)
+            loss = self._compute_loss(
+                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+            )
+        gradients = tape.gradient(loss, variables)
+        weight = self._micro_batch_weight(x, y, sample_weight)
+        self._loss_tracker.update_state(
+            kc.unscale_loss_for_distribution(loss), sample_weight=weight
+        )
+        state.epoch_step.assign_add(1)
+        state.accumulator.accumulate(gradients, weight)
+        self._close_window_if_due()
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def _micro_batch_weight(self, x, y, sample_weight):
+        if self.weighting == "uniform":
+            return tf.constant(1.0)
+        if callable(self.weighting):
+            return callable_weight(self.weighting, x, y, sample_weight)
+        normalizers = self._normalizers.take()
+        if not normalizers:
+            self._warn_no_compiled_loss()
+            first = next(t for t in tf.nest.flatten(x) if t is not None)
+            return tf.cast(tf.shape(first)[0], tf.float32)
+        if len(normalizers) > 1:
+            self._track_term_ratios(normalizers)
+        return normalizers[0]
+
+    def _track_term_ratios(self, normalizers):
+        state = self._fit_state
+        ratios = tf.stack([tf.math.divide_no_nan(n, normalizers[0]) for n in normalizers[1:]])
+        first_in_window = state.accumulator.micro_step == 0
+        differs = tf.reduce_any(
+            tf.abs(ratios - state.term_ratios) > 1e-6 * tf.abs(state.term_ratios)
+        )
+        state.inexact.assign(
+            tf.logical_or(state.inexact, tf.logical_and(~first_in_window, differs))
+        )
+        state.term_ratios.assign(tf.where(first_in_window, ratios, state.term_ratios))
+
+    def _close_window_if_due(self):
+        state = self._fit_state
+        acc = state.accumulator
+        end_of_data = tf.logical_and(
+            state.epoch_length > 0, state.epoch_step >= state.epoch_length
+        )
+        full = acc.micro_step >= self.steps
+        if self.partial == "flush":
+            acc.apply_if(self.optimizer, tf.logical_or(full, end_of_data))
+        else:
+            acc.apply_if(self.optimizer, full)
+            if self.partial == "drop":
+                tf.cond(end_of_data, self._drop_window, lambda: tf.constant(False))
+
+    def _drop_window(self):
+        self._fit_state.accumulator.reset()
+        return tf.constant(True)
+
+    def _end_of_data(self):
+        """Closes the open window as `partial` says (idempotent)."""
+        if self._fit_state is None or self.partial == "carry":
+            return
+        if self._end_of_data_function is None:
+            acc = self._fit_state.accumulator
+            if self.partial == "flush":
+                def close():
+                    return acc.apply(self.optimizer)
+            else:
+                def close():
+                    return tf.cond(acc.micro_step > 0, self._drop_window,
+                                   lambda: tf.constant(False))
+            self._end_of_data_function = close if self.run_eagerly else tf.function(close)
+        self._end_of_data_function()
+
+    def _warn_if_inexact(self):
+        state = self._fit_state
+        if state is None or self._inexact_warned or not bool(state.inexact):
+            return
+        self._inexact_warned = True
+        warnings.warn(
+            "weighting='exact' is approximate for this model: its loss terms have "
+            "normalizers that are not proportional across the micro-batches of a "
+            "window (e.g. outputs with their own masks), so one weight per "
+            "micro-batch cannot reproduce the large-batch loss. Use equal "
+            "micro-batches, or a `weighting` callable for your normalizer.",
+            stacklevel=2,
+        )
+
+    def _warn_no_compiled_loss(self):
+        warnings.warn(
+            "weighting='exact' found no compiled loss (only `add_loss` terms): "
+            "micro-batches are weighted by their size.",
+            stacklevel=2,
+        )
+
+
+def _count_losses(compile_loss) -> int:
+    if compile_loss is None:
+        return 0
+    flat = getattr(compile_loss, "_flat_losses", None)
+    if flat is None:
+        flat = [loss for loss in tf.nest.flatten(compile_loss._user_loss) if loss is not None]
+    return len(flat)
+
+
+def wrap(
+    model,
+    steps: int,
+    *,
+    weighting="exact",
+    partial: str = "flush",
+    reduction: str = "mean",
+    accumulator_dtype="float32",
+) -> AccumulatingModel:
+    """Wraps a Keras model so that `fit()` trains it with gradient accumulation.
+
+    Each batch of `fit` is a micro-batch; every `steps` micro-batches the optimizer
+    makes one update with their combined gradient. The update equals one step on
+    the concatenated window (with `weighting="exact"`), and the optimizer's
+    iterations, learning-rate schedule, clipping, weight decay and EMA count updates.
+
+    Args:
+        model: the `keras.Model` to train. The returned model shares its variables:
+            after `fit`, `model` holds the trained weights.
+        steps: micro-batches per update (k).
+        weighting: `"exact"` (default): each micro-batch weighs its loss normalizer
+            (its number of loss elements, unmasked elements, or sample-weight sum),
+            so unequal micro-batches, sample and class weights, masks and unequal
+            sequence lengths give the large-batch gradient. `"uniform"`: the plain
+            mean (as Keras's built-in accumulation). Or a callable
+            `(x, y, sample_weight) -> weight` returning a scalar >= 0.
+        partial: what happens to a window the data ends in the middle of (end of an
+            epoch and of fit): `"flush"` (default) applies it normalized by its own
+            weight, `"carry"` keeps it open into the next epoch, `"drop"` discards it.
+        reduction: `"mean"` (default) or `"sum"` (sum of the micro-batch gradients).
+        accumulator_dtype: dtype of the accumulators (float32 by default).
+
+    Returns:
+        An `AccumulatingModel` to `compile` and `fit` like any Keras model. Its logs
+        include `updates`, the optimizer's update count.
+
+    Raises:
+        ValueError: if `model` is not a Keras model, or on an invalid `steps`,
+            `weighting`, `partial`, `reduction` or `accumulator_dtype`.
+
+    Example:
+
+    >>> import keras, numpy as np, gradaccum
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    >>> trainer = gradaccum.wrap(model, steps=4)
+    >>> trainer.compile(optimizer="adam", loss="mse")
+    >>> x, y = np.ones((100, 4)), np.zeros((100, 1))
+    >>> history = trainer.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    >>> history.history["updates"]  # 13 micro-batches per epoch: 3 windows + 1 partial
+    [4.0, 8.0]
+    >>> int(trainer.optimizer.iterations)
+    8
+    """
+    return AccumulatingModel(
+        model,
+        steps=steps,
+        weighting=weighting,
+        partial=partial,
+        reduction=reduction,
+        accumulator_dtype=accumulator_dtype,
+    )
