@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The main job of the README: sets up .venv, then runs a short example training.
+# The main job of the README: sets up .venv, then runs the seed experiment
+# (`gradaccum sweep`: the source's four k x b configurations, 10 runs each, plus
+# plain training at b=5) on the default data. Extra arguments go to the sweep.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$root/scripts/setup.sh"
 cd "$root"
-exec python examples/custom_loop.py "$@"
+exec gradaccum sweep "$@"

@@ -3,15 +3,38 @@
 Train with an effective batch of k x b at the memory of b: gradients of k
 micro-batches are combined, weighted by each micro-batch's loss normalizer, into one
 optimizer update that equals the update on the whole window.
+
+The public API is exported here; TensorFlow is imported when it is first used, so the
+command line checks its arguments without waiting for it.
 """
 
-from gradaccum._tf import require_tensorflow as _require_tensorflow
+from __future__ import annotations
 
-_require_tensorflow()
-
-from gradaccum.accumulator import GradientAccumulator  # noqa: E402
-from gradaccum.keras_model import AccumulatingModel, wrap  # noqa: E402
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
+_EXPORTS = {
+    "GradientAccumulator": "gradaccum.accumulator",
+    "AccumulatingModel": "gradaccum.keras_model",
+    "wrap": "gradaccum.keras_model",
+}
+
 __all__ = ["AccumulatingModel", "GradientAccumulator", "__version__", "wrap"]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from gradaccum.accumulator import GradientAccumulator
+    from gradaccum.keras_model import AccumulatingModel, wrap
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'gradaccum' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

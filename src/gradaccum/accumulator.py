@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import re
 
-import tensorflow as tf
+from gradaccum._tf import require_tensorflow
 
-from gradaccum._validation import check_choice, check_steps, check_weight_value
+require_tensorflow()
+
+import tensorflow as tf  # noqa: E402
+
+from gradaccum._validation import check_choice, check_steps, check_weight_value  # noqa: E402
 
 REDUCTIONS = ("mean", "sum")
 ACCUMULATOR_DTYPES = ("float16", "bfloat16", "float32", "float64")

