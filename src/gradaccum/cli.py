@@ -237,8 +237,9 @@ def _sweep(parser, args) -> int:
     })
     report.write_csv(args.out / "results.csv", rows)
     report.plot(args.out / "sweep.png", rows,
-                f"{data.describe()}\n{args.model}, {args.optimizer} lr={args.lr:g}, "
-                f"{args.runs} runs per configuration")
+                f"{data.name}: {len(data.x_train)} train / {len(data.x_test)} test digits\n"
+                f"{args.model}, {args.optimizer} lr={args.lr:g}, {args.runs} runs per "
+                "configuration")
     print(f"results: {args.out / 'results.json'}, {args.out / 'results.csv'}; "
           f"figure: {args.out / 'sweep.png'}; total {total:.0f} s")
     return 0
