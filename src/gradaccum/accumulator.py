@@ -58,6 +58,17 @@ def check_accumulator_dtype(accumulator_dtype) -> tf.DType:
     return dtype
 
 
+def check_optimizer(optimizer) -> None:
+    """Refuses an optimizer that would accumulate gradients a second time."""
+    if getattr(optimizer, "gradient_accumulation_steps", None):
+        raise ValueError(
+            "The optimizer must not accumulate gradients itself when gradaccum "
+            "does. Received: gradient_accumulation_steps="
+            f"{optimizer.gradient_accumulation_steps}. Create the optimizer "
+            "without `gradient_accumulation_steps`."
+        )
+
+
 def _check_variables(variables) -> list:
     try:
         listed = None if isinstance(variables, (str, bytes)) else list(variables)
@@ -345,13 +356,7 @@ class GradientAccumulator(tf.Module):
         return received if any(received) else [True] * len(received)
 
     def _prepare_optimizer(self, optimizer) -> None:
-        if getattr(optimizer, "gradient_accumulation_steps", None):
-            raise ValueError(
-                "The optimizer must not accumulate gradients itself when gradaccum "
-                "does. Received: gradient_accumulation_steps="
-                f"{optimizer.gradient_accumulation_steps}. Create the optimizer "
-                "without `gradient_accumulation_steps`."
-            )
+        check_optimizer(optimizer)
         if not getattr(optimizer, "built", True):
             # Create the slots outside any `tf.cond` branch.
             optimizer.build(list(self.target_variables))

@@ -16,7 +16,12 @@ import tensorflow as tf
 
 from gradaccum import _keras_compat as kc
 from gradaccum._validation import check_choice, check_steps
-from gradaccum.accumulator import GradientAccumulator, _Untracked, check_accumulator_dtype
+from gradaccum.accumulator import (
+    GradientAccumulator,
+    _Untracked,
+    check_accumulator_dtype,
+    check_optimizer,
+)
 from gradaccum.weighting import (
     NormalizerLog,
     callable_weight,
@@ -172,13 +177,7 @@ class AccumulatingModel(keras.Model):
 
     def compile(self, optimizer="rmsprop", loss=None, *args, **kwargs):
         optimizer = keras.optimizers.get(optimizer)
-        if getattr(optimizer, "gradient_accumulation_steps", None):
-            raise ValueError(
-                "The optimizer must not accumulate gradients itself when gradaccum "
-                "does. Received: gradient_accumulation_steps="
-                f"{optimizer.gradient_accumulation_steps}. Create the optimizer "
-                "without `gradient_accumulation_steps`."
-            )
+        check_optimizer(optimizer)
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             raise ValueError(
                 "`optimizer` must not be a LossScaleOptimizer: loss scaling under "
