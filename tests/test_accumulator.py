@@ -381,3 +381,15 @@ def test_optimizer_that_accumulates_itself_is_refused():
     opt = keras.optimizers.SGD(gradient_accumulation_steps=2)
     with pytest.raises(ValueError, match="Received: gradient_accumulation_steps=2"):
         acc.step(opt, [tf.constant(1.0)])
+
+
+def test_accumulate_weighted_equals_accumulate():
+    v = tf.Variable([0.0, 0.0])
+    plain = gradaccum.GradientAccumulator([v])
+    weighted = gradaccum.GradientAccumulator([v])
+    for grad, w in (([1.0, 2.0], 3.0), ([5.0, -1.0], 1.0)):
+        plain.accumulate([tf.constant(grad)], weight=w)
+        weighted.accumulate_weighted([w * tf.constant(grad)], weight=w)
+    np.testing.assert_allclose(weighted.gradients()[0], plain.gradients()[0])
+    np.testing.assert_allclose(plain.gradients()[0], [8 / 4, 5 / 4])
+    assert float(weighted.total_weight) == 4.0 and int(weighted.micro_step) == 2

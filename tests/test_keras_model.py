@@ -316,10 +316,11 @@ def subclassed(seed=0):
     [
         (lambda: mlp(regularize=True), {}),
         (subclassed, {}),
-        (mlp, {"steps_per_execution": 3}),
+        (mlp, {"steps_per_execution": 1}),
+        (mlp, {"steps_per_execution": 4}),
         (mlp, {"jit_compile": True}),
     ],
-    ids=["sequential-l2", "subclassed", "steps_per_execution", "jit"],
+    ids=["sequential-l2", "subclassed", "one-micro-batch-per-call", "four-per-call", "jit"],
 )
 def test_model_kinds_and_compile_options_are_exact(factory, compile_kwargs):
     x, y = data(46)
@@ -388,6 +389,14 @@ class _no_inexact_warning:
     def __exit__(self, *exc):
         self._catch.__exit__(*exc)
         assert not [w for w in self._log if "approximate" in str(w.message)]
+
+
+def test_one_window_per_compiled_call_by_default():
+    trainer = gradaccum.wrap(mlp(), steps=5)
+    trainer.compile("sgd", SCE)
+    assert trainer.steps_per_execution == 5
+    trainer.compile("sgd", SCE, steps_per_execution=2)
+    assert trainer.steps_per_execution == 2
 
 
 def test_metrics_see_every_micro_batch_and_loss_is_the_window_loss():
@@ -488,7 +497,7 @@ def test_early_stopping_mid_epoch_flushes_at_the_end_of_fit():
     ref = reference_fit(_compiled(mlp(), keras.optimizers.Adam(0.05)), windows, x, y)
     model = mlp()
     trainer = gradaccum.wrap(model, steps=3)
-    trainer.compile(keras.optimizers.Adam(0.05), SCE)
+    trainer.compile(keras.optimizers.Adam(0.05), SCE, steps_per_execution=1)
     trainer.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[StopAfter()])
     assert int(trainer.optimizer.iterations) == 2
     assert_weights_close(model, ref)
@@ -529,7 +538,8 @@ def test_backup_and_restore_resumes_mid_window_exactly(tmp_path, partial, save_f
 
     def trainer_for(model):
         trainer = gradaccum.wrap(model, steps=3, partial=partial)
-        trainer.compile(keras.optimizers.Adam(0.05), SCE)
+        # One micro-batch per call, so that the crash can land inside a window.
+        trainer.compile(keras.optimizers.Adam(0.05), SCE, steps_per_execution=1)
         return trainer
 
     full = mlp()

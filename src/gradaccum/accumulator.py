@@ -226,6 +226,27 @@ class GradientAccumulator(tf.Module):
                 does not match its variable, or (when executing eagerly) a weight
                 that is negative, non-finite or not a scalar.
         """
+        self._add(gradients, weight, scale=self._reduction == "mean")
+
+    def accumulate_weighted(self, weighted_gradients, weight) -> None:
+        """Adds one micro-batch's gradients that already carry its weight.
+
+        For reduction `"mean"`, pass the gradient of `weight * loss` (scale the loss,
+        not every gradient: one multiply instead of one per variable) together with
+        the weight itself, which goes to `total_weight`. For reduction `"sum"` this is
+        `accumulate`.
+
+        Args:
+            weighted_gradients: `w_i * grad(L_i)` per target variable, as in
+                `accumulate`.
+            weight: `w_i`, a scalar >= 0.
+
+        Raises:
+            ValueError: as `accumulate`.
+        """
+        self._add(weighted_gradients, weight, scale=False)
+
+    def _add(self, gradients, weight, scale: bool) -> None:
         gradients = self._check_gradients(gradients)
         weight = self._check_weight(weight)
         for i, (grad, acc) in enumerate(zip(gradients, self._accumulators)):
@@ -234,12 +255,12 @@ class GradientAccumulator(tf.Module):
             self._received.value[i] = True
             if isinstance(grad, tf.IndexedSlices):
                 values = tf.cast(grad.values, acc.dtype)
-                if self._reduction == "mean":
+                if scale:
                     values = values * tf.cast(weight, acc.dtype)
                 acc.scatter_add(tf.IndexedSlices(values, grad.indices, grad.dense_shape))
             else:
                 grad = tf.cast(grad, acc.dtype)
-                if self._reduction == "mean":
+                if scale:
                     grad = grad * tf.cast(weight, acc.dtype)
                 acc.assign_add(grad)
         self._micro_step.assign_add(1)

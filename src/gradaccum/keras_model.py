@@ -167,6 +167,7 @@ class AccumulatingModel(keras.Model):
         self._fit_state = None
         self._end_of_data_function = None
         self._inexact_warned = False
+        self._resumable = False
         if model.built:
             self.built = True
 
@@ -175,7 +176,17 @@ class AccumulatingModel(keras.Model):
     def call(self, inputs, training=None):
         return self.model(inputs, training=training)
 
-    def compile(self, optimizer="rmsprop", loss=None, *args, **kwargs):
+    def compile(self, optimizer="rmsprop", loss=None, *args,
+                steps_per_execution="window", **kwargs):
+        """Configures training as `keras.Model.compile`, with one difference.
+
+        `steps_per_execution` defaults to `"window"`: one compiled call runs the
+        `steps` micro-batches of a window (batch-level callbacks then see windows, as
+        with any `steps_per_execution`). Pass an integer (1 for per-micro-batch
+        callbacks) to choose.
+        """
+        if steps_per_execution == "window":
+            steps_per_execution = self.steps
         optimizer = keras.optimizers.get(optimizer)
         check_optimizer(optimizer)
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
@@ -186,7 +197,8 @@ class AccumulatingModel(keras.Model):
             )
         if self.weighting == "exact":
             loss = record_normalizers(loss, self._normalizers)
-        super().compile(optimizer, loss, *args, **kwargs)
+        super().compile(optimizer, loss, *args, steps_per_execution=steps_per_execution,
+                        **kwargs)
         self._fit_state = None
         self._end_of_data_function = None
 
@@ -232,8 +244,16 @@ class AccumulatingModel(keras.Model):
         hook = _EpochHook(self)
         if isinstance(callbacks, keras.callbacks.CallbackList):
             callbacks.callbacks.insert(0, hook)
+            listed = callbacks.callbacks
         else:
             callbacks = [hook, *(callbacks or [])]
+            listed = callbacks
+        resumable = any(isinstance(cb, keras.callbacks.BackupAndRestore) for cb in listed)
+        if resumable != self._resumable:
+            # The step that can skip restored micro-batches costs a branch per
+            # micro-batch: compile it only for fits that can restore.
+            self._resumable = resumable
+            self.train_function = None
         if self._fit_state is not None:
             # A new fit starts at an epoch's beginning; BackupAndRestore may then
             # restore a position inside an epoch.
@@ -251,11 +271,13 @@ class AccumulatingModel(keras.Model):
         return super().evaluate(*args, **kwargs)
 
     def train_step(self, data):
-        state = self._fit_state
-        # The training branch is traced first: it builds the metrics that the
-        # skipping branch (after a restore in the middle of an epoch) reports.
+        if not self._resumable:
+            return self._micro_batch_step(data)
+        # Under BackupAndRestore a fit may restart inside an epoch and must skip the
+        # micro-batches already trained on. The training branch is traced first: it
+        # builds the metrics that the skipping branch reports.
         return tf.cond(
-            state.resume_skip <= 0,
+            self._fit_state.resume_skip <= 0,
             lambda: self._micro_batch_step(data),
             self._skip_micro_batch,
         )
@@ -319,6 +341,9 @@ class AccumulatingModel(keras.Model):
         state = self._fit_state
         variables = list(state.accumulator.target_variables)
         self._normalizers.take()
+        # With reduction "mean", differentiate w_i * L_i: the weight is applied once to
+        # the loss rather than to every gradient.
+        scale_loss = self.steps > 1 and self.reduction == "mean"
         with tf.GradientTape() as tape:
             if self._call_has_training_arg:
                 y_pred = self(x, training=True)
@@ -327,8 +352,9 @@ class AccumulatingModel(keras.Model):
             loss = self._compute_loss(
                 x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
             )
-        gradients = tape.gradient(loss, variables)
-        weight = self._micro_batch_weight(x, y, sample_weight)
+            weight = tf.stop_gradient(self._micro_batch_weight(x, y, sample_weight))
+            objective = loss * tf.cast(weight, loss.dtype) if scale_loss else loss
+        gradients = tape.gradient(objective, variables)
         self._loss_tracker.update_state(
             kc.unscale_loss_for_distribution(loss), sample_weight=weight
         )
@@ -339,7 +365,7 @@ class AccumulatingModel(keras.Model):
                 [(g, v) for g, v in zip(gradients, variables) if g is not None]
             )
         else:
-            state.accumulator.accumulate(gradients, weight)
+            state.accumulator.accumulate_weighted(gradients, weight)
             self._close_window_if_due()
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 

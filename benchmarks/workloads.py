@@ -1,0 +1,56 @@
+"""Benchmark workloads: the experiment's MLP, a small CNN, a small Transformer encoder."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+
+WORKLOADS = ("mlp", "cnn", "transformer")
+SEQ_LEN, VOCAB = 64, 1000
+
+
+def build(name: str, seed: int = 0) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    if name == "mlp":
+        inputs = keras.Input((28, 28))
+        h = keras.layers.Flatten()(inputs)
+        h = keras.layers.Dense(128, activation="relu")(h)
+        outputs = keras.layers.Dense(10)(h)
+    elif name == "cnn":
+        inputs = keras.Input((28, 28, 1))
+        h = keras.layers.Conv2D(32, 3, activation="relu")(inputs)
+        h = keras.layers.MaxPooling2D()(h)
+        h = keras.layers.Conv2D(64, 3, activation="relu")(h)
+        h = keras.layers.MaxPooling2D()(h)
+        h = keras.layers.Flatten()(h)
+        outputs = keras.layers.Dense(10)(h)
+    elif name == "transformer":
+        inputs = keras.Input((SEQ_LEN,), dtype="int32")
+        h = keras.layers.Embedding(VOCAB, 64)(inputs)
+        a = keras.layers.MultiHeadAttention(num_heads=4, key_dim=16)(h, h)
+        h = keras.layers.LayerNormalization()(h + a)
+        f = keras.layers.Dense(128, activation="relu")(h)
+        h = keras.layers.LayerNormalization()(h + keras.layers.Dense(64)(f))
+        h = keras.layers.GlobalAveragePooling1D()(h)
+        outputs = keras.layers.Dense(2)(h)
+    else:
+        raise ValueError(f"unknown workload {name!r}")
+    return keras.Model(inputs, outputs, name=name)
+
+
+def data(name: str, n: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    if name == "mlp":
+        x = rng.random((n, 28, 28), dtype=np.float32)
+        y = rng.integers(0, 10, n)
+    elif name == "cnn":
+        x = rng.random((n, 28, 28, 1), dtype=np.float32)
+        y = rng.integers(0, 10, n)
+    else:
+        x = rng.integers(0, VOCAB, (n, SEQ_LEN)).astype("int32")
+        y = rng.integers(0, 2, n)
+    return x, y
+
+
+def loss():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
