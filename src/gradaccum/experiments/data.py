@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
+import io
 import pathlib
 from dataclasses import dataclass
 
@@ -44,7 +46,10 @@ def load_keras_mnist() -> Dataset:
     """The full MNIST through Keras's own loader (its cache, else a download)."""
     import keras
 
-    (x_train, y_train), (x_test, y_test) = keras.datasets.mnist.load_data()
+    # Keras prints "Downloading data from ..." on stdout: the command's first line
+    # must stay the one that says which data it trained on.
+    with contextlib.redirect_stdout(io.StringIO()):
+        (x_train, y_train), (x_test, y_test) = keras.datasets.mnist.load_data()
     return Dataset("mnist (keras)", *_normalize(x_train, y_train), *_normalize(x_test, y_test))
 
 
