@@ -12,8 +12,22 @@ from keras.src.losses.loss import (
 )
 from keras.src.losses.losses import LossFunctionWrapper
 
+
+def count_compiled_losses(compile_loss) -> int:
+    """How many loss terms a model's compiled loss (Keras's CompileLoss) holds."""
+    if compile_loss is None:
+        return 0
+    flat = getattr(compile_loss, "_flat_losses", None)
+    if flat is None:
+        import tensorflow as tf
+
+        flat = [loss for loss in tf.nest.flatten(compile_loss._user_loss) if loss is not None]
+    return len(flat)
+
+
 __all__ = [
     "LossFunctionWrapper",
+    "count_compiled_losses",
     "apply_mask",
     "get_keras_mask",
     "squeeze_or_expand_to_same_rank",

@@ -130,6 +130,21 @@ class AccumulatingModel(keras.Model):
     Created by `gradaccum.wrap`; see there for the arguments. `trainer.model` is the
     wrapped model: it holds the trained weights, and `trainer.model.save()` writes a
     plain Keras model.
+
+    Raises:
+        ValueError: as `gradaccum.wrap`.
+
+    Example:
+
+    >>> import keras, numpy as np, gradaccum
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    >>> trainer = gradaccum.AccumulatingModel(model, steps=2, partial="drop")
+    >>> trainer.compile(optimizer="sgd", loss="mse")
+    >>> history = trainer.fit(np.ones((10, 2)), np.ones((10, 1)), batch_size=2, verbose=0)
+    >>> int(trainer.optimizer.iterations)  # 5 micro-batches: 2 windows, 1 dropped
+    2
+    >>> trainer.model is model
+    True
     """
 
     def __init__(
@@ -321,7 +336,7 @@ class AccumulatingModel(keras.Model):
                 "The wrapped model must have trainable variables to accumulate "
                 f"gradients of. Received: model {self.model.name!r} with none."
             )
-        terms = max(0, _count_losses(getattr(self, "_compile_loss", None)) - 1)
+        terms = max(0, kc.count_compiled_losses(getattr(self, "_compile_loss", None)) - 1)
         self._fit_state = _FitState(
             self.trainable_variables,
             self.steps,
@@ -449,15 +464,6 @@ class AccumulatingModel(keras.Model):
             "micro-batches are weighted by their size.",
             stacklevel=2,
         )
-
-
-def _count_losses(compile_loss) -> int:
-    if compile_loss is None:
-        return 0
-    flat = getattr(compile_loss, "_flat_losses", None)
-    if flat is None:
-        flat = [loss for loss in tf.nest.flatten(compile_loss._user_loss) if loss is not None]
-    return len(flat)
 
 
 def wrap(
