@@ -1,9 +1,9 @@
 """The Keras `fit()` integration: `wrap(model, steps=k)`.
 
 `AccumulatingModel` trains the wrapped model's own variables. Each `train_step` is
-one micro-batch: forward, backward, `GradientAccumulator.accumulate` with the
-micro-batch's weight, and an update when the window is full or the epoch's data
-ends (partial windows, by policy). All of it runs inside the compiled train
+one micro-batch: forward, backward of the loss scaled by the micro-batch's weight,
+`GradientAccumulator.accumulate_weighted`, and an update when the window is full or
+the epoch's data ends (partial windows, by policy). All of it runs inside the compiled train
 function: no host round trip and no Python work per micro-batch.
 """
 
@@ -17,6 +17,7 @@ import tensorflow as tf
 from gradaccum import _keras_compat as kc
 from gradaccum._validation import check_choice, check_steps
 from gradaccum.accumulator import (
+    REDUCTIONS,
     GradientAccumulator,
     _Untracked,
     check_accumulator_dtype,
@@ -30,7 +31,6 @@ from gradaccum.weighting import (
 )
 
 PARTIALS = ("flush", "carry", "drop")
-REDUCTIONS = ("mean", "sum")
 
 
 class _UpdatesMetric(keras.metrics.Metric):
