@@ -18,13 +18,21 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "GradientAccumulator": "gradaccum.accumulator",
     "AccumulatingModel": "gradaccum.keras_model",
+    "CountingCrossDeviceOps": "gradaccum.communication",
     "wrap": "gradaccum.keras_model",
 }
 
-__all__ = ["AccumulatingModel", "GradientAccumulator", "__version__", "wrap"]
+__all__ = [
+    "AccumulatingModel",
+    "CountingCrossDeviceOps",
+    "GradientAccumulator",
+    "__version__",
+    "wrap",
+]
 
 if TYPE_CHECKING:  # pragma: no cover
     from gradaccum.accumulator import GradientAccumulator
+    from gradaccum.communication import CountingCrossDeviceOps
     from gradaccum.keras_model import AccumulatingModel, wrap
 
 

@@ -2,8 +2,14 @@
 
 Exact weighting must divide by the same normalizer as Keras's loss reduction, so it
 reuses Keras's own masking and rank-matching helpers rather than re-deriving them.
+Under tf.distribute, gradaccum reduces gradients itself, once per update, and has
+Keras's optimizer apply them from the cross-replica context.
 """
 
+import contextlib
+
+import keras
+import tensorflow as tf
 from keras.src.backend.common.masking import get_keras_mask
 from keras.src.losses.loss import (
     apply_mask,
@@ -19,10 +25,52 @@ def count_compiled_losses(compile_loss) -> int:
         return 0
     flat = getattr(compile_loss, "_flat_losses", None)
     if flat is None:
-        import tensorflow as tf
-
         flat = [loss for loss in tf.nest.flatten(compile_loss._user_loss) if loss is not None]
     return len(flat)
+
+
+def _tf_variable(variable):
+    return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+@contextlib.contextmanager
+def applying_across_replicas(optimizer, strategy):
+    """Within the block, `optimizer.apply` runs in cross-replica context.
+
+    Keras's TensorFlow optimizer expects a replica context: it all-reduces the
+    gradients (after clipping them per replica) and reaches the variables through
+    `merge_call`. gradaccum applies the already-reduced global gradient from the
+    cross-replica context instead (a replica cannot synchronize inside a `tf.cond`:
+    keras issue 20582), so clipping acts on the global gradient and each replica's
+    copy of the variables and slots is updated with `strategy.extended.update`. Only
+    the two steps that would call `merge_call` are redirected; learning-rate
+    schedules, clipping, EMA, constraints and `iterations` stay Keras's own.
+    """
+
+    def update_step(grads, trainable_variables, learning_rate):
+        pairs = list(zip(grads, [_tf_variable(v) for v in trainable_variables]))
+        optimizer._distributed_tf_update_step(strategy, pairs, learning_rate)
+
+    def apply_weight_decay(variables):
+        if optimizer.weight_decay is None:
+            return
+
+        def decay(variable):
+            lr = tf.cast(optimizer.learning_rate, variable.dtype)
+            wd = tf.cast(optimizer.weight_decay, variable.dtype)
+            variable.assign_sub(variable * wd * lr)
+
+        for variable in variables:
+            if optimizer._use_weight_decay(variable):
+                strategy.extended.update(_tf_variable(variable), decay, group=False)
+
+    optimizer._backend_update_step = update_step
+    optimizer._apply_weight_decay = apply_weight_decay
+    try:
+        yield
+    finally:
+        del optimizer._backend_update_step
+        del optimizer._apply_weight_decay
 
 
 __all__ = [
@@ -30,6 +78,7 @@ __all__ = [
     "count_compiled_losses",
     "apply_mask",
     "get_keras_mask",
+    "applying_across_replicas",
     "squeeze_or_expand_to_same_rank",
     "unscale_loss_for_distribution",
 ]

@@ -8,10 +8,17 @@ one update with the combined gradient
 
 Everything else in gradaccum (the Keras ``fit()`` integration, distribution, mixed
 precision) feeds this class and reuses its variables rather than re-deriving them.
+
+Under ``tf.distribute`` each replica accumulates into its own copy of the state
+(sync-on-read variables) without communicating; at the update the sums and the
+weight totals of all replicas are reduced in one batched reduction, ``G`` is formed
+from the global totals, and the optimizer applies it to every replica's copy of the
+variables (see ``_update_across_replicas``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 from gradaccum._tf import require_tensorflow
@@ -20,6 +27,7 @@ require_tensorflow()
 
 import tensorflow as tf  # noqa: E402
 
+from gradaccum._keras_compat import applying_across_replicas  # noqa: E402
 from gradaccum._validation import check_choice, check_steps, check_weight_value  # noqa: E402
 
 REDUCTIONS = ("mean", "sum")
@@ -88,6 +96,60 @@ def _check_variables(variables) -> list:
     return listed
 
 
+def _tf_variable(variable):
+    """The tf.Variable behind a Keras variable (or the variable itself)."""
+    if isinstance(variable, tf.Variable):
+        return variable
+    return getattr(variable, "value", variable)
+
+
+def _strategy_name(strategy) -> str:
+    return type(strategy).__name__.replace("V1", "")
+
+
+def distribution_of(variables):
+    """The `tf.distribute.Strategy` that created `variables`, or None.
+
+    Raises:
+        ValueError: if the variables come from several strategies, or if they are
+            not distributed while the strategy in scope has several replicas (the
+            model was built outside `strategy.scope()`), or if they belong to a
+            strategy other than the one in scope.
+    """
+    found = {}
+    for variable in variables:
+        inner = _tf_variable(variable)
+        if isinstance(inner, tf.distribute.DistributedValues):
+            strategy = inner.distribute_strategy
+            found[id(strategy)] = strategy
+    current = tf.distribute.get_strategy()
+    if not found:
+        if current.num_replicas_in_sync > 1:
+            raise ValueError(
+                "The model's variables must be created inside the scope of the "
+                f"distribution strategy in use ({_strategy_name(current)} with "
+                f"{current.num_replicas_in_sync} replicas). Received: variables created "
+                "outside `strategy.scope()`, which the replicas would share. Build the "
+                "model and the optimizer inside `with strategy.scope():`, and create "
+                "the accumulator (or call `gradaccum.wrap` and `compile`) there too."
+            )
+        return None
+    if len(found) > 1:
+        raise ValueError(
+            "The variables must all belong to one distribution strategy. Received: "
+            f"variables from {len(found)} strategies."
+        )
+    (strategy,) = found.values()
+    if tf.distribute.has_strategy() and current is not strategy:
+        raise ValueError(
+            "The model's variables belong to another distribution strategy than the "
+            f"one in scope. Received: variables of a {_strategy_name(strategy)}, "
+            f"scope of a {_strategy_name(current)}. Use one strategy for the model, "
+            "the optimizer and gradaccum."
+        )
+    return strategy
+
+
 class GradientAccumulator(tf.Module):
     """Accumulates micro-batch gradients and applies their combination.
 
@@ -96,6 +158,14 @@ class GradientAccumulator(tf.Module):
     works eagerly, inside `tf.function` and with `jit_compile=True`; its state is
     TensorFlow variables, so `tf.train.Checkpoint(accumulator=acc)` saves it and a
     run restored in the middle of a window goes on exactly.
+
+    Under `tf.distribute.MirroredStrategy` or `MultiWorkerMirroredStrategy` (model,
+    optimizer and accumulator created inside `strategy.scope()`; `step`, `accumulate`
+    and `apply` called inside `strategy.run`), every replica accumulates locally and
+    the update makes one batched cross-replica reduction of the sums and weight
+    totals: the result equals one device training on the global window, and the
+    optimizer's clipping acts on the reduced gradient. The `condition` of `apply_if`
+    (and so the window) must be the same on every replica.
 
     Args:
         variables: the (trainable) variables whose gradients are accumulated, in the
@@ -113,7 +183,8 @@ class GradientAccumulator(tf.Module):
 
     Raises:
         ValueError: on an empty variable list, invalid `steps`, an unknown
-            `reduction` or a non-floating `accumulator_dtype`.
+            `reduction`, a non-floating `accumulator_dtype`, or variables created
+            outside the scope of the distribution strategy in use.
 
     Example:
 
@@ -155,20 +226,31 @@ class GradientAccumulator(tf.Module):
         # time); the others are left out of the update as Keras leaves out a
         # variable whose gradient is None.
         self._received = _Untracked([False] * len(variables))
-        with tf.name_scope(name):
+        strategy = distribution_of(variables)
+        # Replica-local state: each replica adds to its own copy without
+        # communicating. Read across replicas (and saved), sums are summed and the
+        # micro-step is the first replica's; restoring spreads them back.
+        summed = dict(
+            trainable=False,
+            synchronization=tf.VariableSynchronization.ON_READ,
+            aggregation=tf.VariableAggregation.SUM,
+        )
+        counted = dict(summed, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+        scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
+        with scope, tf.name_scope(name):
             self._accumulators = [
                 tf.Variable(
                     tf.zeros(v.shape, self._accumulator_dtype),
-                    trainable=False,
                     name=f"accumulator/{_variable_name(v)}",
+                    **summed,
                 )
                 for v in variables
             ]
             self._micro_step = tf.Variable(
-                tf.constant(0, tf.int64), trainable=False, name="micro_step"
+                tf.constant(0, tf.int64), name="micro_step", **counted
             )
             self._total_weight = tf.Variable(
-                tf.constant(0, weight_dtype), trainable=False, name="total_weight"
+                tf.constant(0, weight_dtype), name="total_weight", **summed
             )
 
     # Read-only views -------------------------------------------------------------
@@ -247,6 +329,7 @@ class GradientAccumulator(tf.Module):
         self._add(weighted_gradients, weight, scale=False)
 
     def _add(self, gradients, weight, scale: bool) -> None:
+        self._check_replica_context("accumulate")
         gradients = self._check_gradients(gradients)
         weight = self._check_weight(weight)
         for i, (grad, acc) in enumerate(zip(gradients, self._accumulators)):
@@ -274,20 +357,22 @@ class GradientAccumulator(tf.Module):
             variable that never received a gradient). With nothing accumulated, or a
             total weight of 0 under reduction `"mean"`, the gradients are zeros.
         """
+        return self._combine(
+            [acc.read_value() for acc in self._accumulators],
+            self._total_weight.read_value(),
+        )
+
+    def _combine(self, sums, total_weight) -> list:
+        """G from weighted sums and their total weight: the one formula."""
         if self._reduction == "mean":
-            scale = tf.math.divide_no_nan(
-                tf.constant(1, self._total_weight.dtype), self._total_weight.read_value()
-            )
+            scale = tf.math.divide_no_nan(tf.constant(1, total_weight.dtype), total_weight)
         combined = []
-        for received, acc, var in zip(
-            self._received_mask(), self._accumulators, self.target_variables
-        ):
-            if not received:
+        for received, grad, var in zip(self._received_mask(), sums, self.target_variables):
+            if not received or grad is None:
                 combined.append(None)
                 continue
-            grad = acc.read_value()
             if self._reduction == "mean":
-                grad = grad * tf.cast(scale, acc.dtype)
+                grad = grad * tf.cast(scale, grad.dtype)
             combined.append(tf.cast(grad, tf.as_dtype(var.dtype)))
         return combined
 
@@ -327,22 +412,64 @@ class GradientAccumulator(tf.Module):
         Returns:
             A boolean tensor: whether an update happened.
         """
+        if tf.distribute.has_strategy():
+            return self._apply_if_distributed(optimizer, condition)
         self._prepare_optimizer(optimizer)
 
         def update():
-            grads_and_vars = [
-                (g, v)
-                for g, v in zip(self.gradients(), self.target_variables)
-                if g is not None
-            ]
-            optimizer.apply_gradients(grads_and_vars)
-            self.reset()
+            self._apply_combined(optimizer, self.gradients())
             return tf.constant(True)
 
         pred = tf.logical_and(
             tf.cast(condition, tf.bool), self._micro_step > 0
         )
         return tf.cond(pred, update, lambda: tf.constant(False))
+
+    def _apply_combined(self, optimizer, combined) -> None:
+        optimizer.apply_gradients(
+            [(g, v) for g, v in zip(combined, self.target_variables) if g is not None]
+        )
+        self.reset()
+
+    # Distribution ----------------------------------------------------------------
+
+    def _apply_if_distributed(self, optimizer, condition):
+        strategy = tf.distribute.get_strategy()
+        distribution_of(self.target_variables)
+        if tf.distribute.in_cross_replica_context():
+            # Outside `strategy.run` (e.g. closing a window at the end of the data).
+            self._prepare_optimizer(optimizer)
+            due = tf.logical_and(tf.cast(condition, tf.bool), self._micro_step > 0)
+            return self._update_across_replicas_if(strategy, optimizer, due)
+        context = tf.distribute.get_replica_context()
+        if not getattr(optimizer, "built", True):
+            context.merge_call(lambda _: self._prepare_optimizer(optimizer))
+        check_optimizer(optimizer)
+        due = tf.logical_and(tf.cast(condition, tf.bool), self._micro_step > 0)
+        # Replicas cannot synchronize inside a tf.cond of a replica function (keras
+        # issue 20582), so they meet here on every call, which costs no
+        # communication, and the condition is taken in cross-replica context.
+        return context.merge_call(self._update_across_replicas_if, args=(optimizer, due))
+
+    def _update_across_replicas_if(self, strategy, optimizer, due):
+        due = strategy.experimental_local_results(due)[0]
+        return tf.cond(
+            due,
+            lambda: self._update_across_replicas(strategy, optimizer),
+            lambda: tf.constant(False),
+        )
+
+    def _update_across_replicas(self, strategy, optimizer):
+        # The one communication of a window: all sums and weight totals in one
+        # batched all-reduce. Every device then holds the same global totals.
+        state = [*self._accumulators, self._total_weight]
+        reduced = strategy.extended.batch_reduce_to(
+            tf.distribute.ReduceOp.SUM, [(v, v) for v in state]
+        )
+        *sums, total_weight = [strategy.experimental_local_results(r)[0] for r in reduced]
+        with applying_across_replicas(optimizer, strategy):
+            self._apply_combined(optimizer, self._combine(sums, total_weight))
+        return tf.constant(True)
 
     def step(self, optimizer, gradients, weight=1.0):
         """Accumulates a micro-batch, and applies when `steps` micro-batches are in.
@@ -381,6 +508,19 @@ class GradientAccumulator(tf.Module):
         if not getattr(optimizer, "built", True):
             # Create the slots outside any `tf.cond` branch.
             optimizer.build(list(self.target_variables))
+
+    def _check_replica_context(self, method: str) -> None:
+        if not tf.distribute.has_strategy():
+            return
+        distribution_of(self.target_variables)
+        if tf.distribute.in_cross_replica_context():
+            strategy = tf.distribute.get_strategy()
+            raise ValueError(
+                f"`{method}` must be called in a replica context under "
+                f"{_strategy_name(strategy)}: call it inside `strategy.run(...)`, "
+                "where each replica adds its own gradients. Received: a call in "
+                "cross-replica context."
+            )
 
     def _check_gradients(self, gradients) -> list:
         gradients = list(gradients)

@@ -5,6 +5,11 @@ one micro-batch: forward, backward of the loss scaled by the micro-batch's weigh
 `GradientAccumulator.accumulate_weighted`, and an update when the window is full or
 the epoch's data ends (partial windows, by policy). All of it runs inside the compiled train
 function: no host round trip and no Python work per micro-batch.
+
+Under tf.distribute each replica's `train_step` accumulates its own share of the
+micro-batch; the accumulator reduces across replicas once per update. The
+fit-position counters are replica-local too, so a micro-batch costs no
+communication.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from gradaccum.accumulator import (
     _Untracked,
     check_accumulator_dtype,
     check_optimizer,
+    distribution_of,
 )
 from gradaccum.weighting import (
     NormalizerLog,
@@ -64,7 +70,14 @@ class _FitState(tf.Module):
             reduction=reduction,
             accumulator_dtype=accumulator_dtype,
         )
-        int64 = dict(dtype=tf.int64, trainable=False)
+        # Replica-local (every replica counts the same micro-batches): updating
+        # them inside a replica's step needs no communication.
+        local = dict(
+            trainable=False,
+            synchronization=tf.VariableSynchronization.ON_READ,
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+        )
+        int64 = dict(local, dtype=tf.int64)
         # Micro-batches seen in the current epoch, its length (-1: unknown), and
         # micro-batches to skip after a restore in the middle of an epoch.
         self.epoch_step = tf.Variable(0, name="epoch_step", **int64)
@@ -73,9 +86,9 @@ class _FitState(tf.Module):
         # Several loss terms: their normalizer ratios at the window's start, and
         # whether a window had ratios that differ (then one weight is not exact).
         self.term_ratios = tf.Variable(
-            tf.zeros([terms], tf.float32), trainable=False, name="term_ratios"
+            tf.zeros([terms], tf.float32), name="term_ratios", **local
         )
-        self.inexact = tf.Variable(False, trainable=False, name="inexact")
+        self.inexact = tf.Variable(False, name="inexact", **local)
 
     def saved_variables(self) -> dict[str, tf.Variable]:
         acc = self.accumulator
@@ -104,7 +117,7 @@ class _EpochHook(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         state = self._trainer.value._fit_state
-        if self._first_epoch and int(state.epoch_step) > 0:
+        if self._first_epoch and int(state.epoch_step.numpy()) > 0:
             # Restored (BackupAndRestore) in the middle of an epoch: the epoch
             # restarts from its first batch, so skip what was already trained on.
             state.resume_skip.assign(state.epoch_step)
@@ -116,7 +129,7 @@ class _EpochHook(keras.callbacks.Callback):
         trainer._end_of_data()
         trainer._fit_state.epoch_step.assign(0)
         if logs is not None and "updates" in logs:
-            logs["updates"] = float(trainer.optimizer.iterations)
+            logs["updates"] = float(trainer.optimizer.iterations.numpy())
         trainer._warn_if_inexact()
 
     def on_train_end(self, logs=None):
@@ -169,6 +182,8 @@ class AccumulatingModel(keras.Model):
                 f"Received: model={model.name!r}, a gradaccum AccumulatingModel; "
                 "wrap its `.model` instead."
             )
+        if model.built:
+            distribution_of(model.trainable_variables)
         kwargs.setdefault("name", f"gradaccum_{model.name}")
         super().__init__(**kwargs)
         self.model = model
@@ -198,10 +213,13 @@ class AccumulatingModel(keras.Model):
         `steps_per_execution` defaults to `"window"`: one compiled call runs the
         `steps` micro-batches of a window (batch-level callbacks then see windows, as
         with any `steps_per_execution`). Pass an integer (1 for per-micro-batch
-        callbacks) to choose.
+        callbacks) to choose. Under a tf.distribute strategy with several replicas
+        `"window"` means 1: Keras's multi-step train function fails there (keras
+        issue 19246, "You must feed a value for placeholder tensor").
         """
         if steps_per_execution == "window":
-            steps_per_execution = self.steps
+            replicas = self.distribute_strategy.num_replicas_in_sync
+            steps_per_execution = self.steps if replicas == 1 else 1
         optimizer = keras.optimizers.get(optimizer)
         check_optimizer(optimizer)
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
@@ -337,13 +355,15 @@ class AccumulatingModel(keras.Model):
                 f"gradients of. Received: model {self.model.name!r} with none."
             )
         terms = max(0, kc.count_compiled_losses(getattr(self, "_compile_loss", None)) - 1)
-        self._fit_state = _FitState(
-            self.trainable_variables,
-            self.steps,
-            self.reduction,
-            self.accumulator_dtype,
-            terms=terms,
-        )
+        with self.distribute_strategy.scope():
+            distribution_of(self.trainable_variables)
+            self._fit_state = _FitState(
+                self.trainable_variables,
+                self.steps,
+                self.reduction,
+                self.accumulator_dtype,
+                terms=terms,
+            )
 
     def _skip_micro_batch(self):
         state = self._fit_state
@@ -357,8 +377,11 @@ class AccumulatingModel(keras.Model):
         variables = list(state.accumulator.target_variables)
         self._normalizers.take()
         # With reduction "mean", differentiate w_i * L_i: the weight is applied once to
-        # the loss rather than to every gradient.
-        scale_loss = self.steps > 1 and self.reduction == "mean"
+        # the loss rather than to every gradient. Under tf.distribute, L_i is the
+        # replica's own loss (Keras divides it by the replica count: undone here),
+        # so that the reduced sums give the global window's gradient exactly.
+        distributed = tf.distribute.has_strategy()
+        scale_loss = self.reduction == "mean" and (self.steps > 1 or distributed)
         with tf.GradientTape() as tape:
             if self._call_has_training_arg:
                 y_pred = self(x, training=True)
@@ -368,13 +391,17 @@ class AccumulatingModel(keras.Model):
                 x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
             )
             weight = tf.stop_gradient(self._micro_batch_weight(x, y, sample_weight))
-            objective = loss * tf.cast(weight, loss.dtype) if scale_loss else loss
+            objective = loss
+            if scale_loss:
+                objective = kc.unscale_loss_for_distribution(loss) * tf.cast(
+                    weight, loss.dtype
+                )
         gradients = tape.gradient(objective, variables)
         self._loss_tracker.update_state(
             kc.unscale_loss_for_distribution(loss), sample_weight=weight
         )
         state.epoch_step.assign_add(1)
-        if self.steps == 1:
+        if self.steps == 1 and not distributed:
             # A window of one micro-batch: G = w g / w = g, so skip the copy.
             self.optimizer.apply_gradients(
                 [(g, v) for g, v in zip(gradients, variables) if g is not None]
@@ -442,11 +469,12 @@ class AccumulatingModel(keras.Model):
                     return tf.cond(acc.micro_step > 0, self._drop_window,
                                    lambda: tf.constant(False))
             self._end_of_data_function = close if self.run_eagerly else tf.function(close)
-        self._end_of_data_function()
+        with self.distribute_strategy.scope():
+            self._end_of_data_function()
 
     def _warn_if_inexact(self):
         state = self._fit_state
-        if state is None or self._inexact_warned or not bool(state.inexact):
+        if state is None or self._inexact_warned or not bool(state.inexact.numpy()):
             return
         self._inexact_warned = True
         warnings.warn(
