@@ -29,7 +29,8 @@ def count_compiled_losses(compile_loss) -> int:
     return len(flat)
 
 
-def _tf_variable(variable):
+def tf_variable(variable):
+    """The tf.Variable behind a Keras variable (or the variable itself)."""
     return variable.value if isinstance(variable, keras.Variable) else variable
 
 
@@ -48,7 +49,7 @@ def applying_across_replicas(optimizer, strategy):
     """
 
     def update_step(grads, trainable_variables, learning_rate):
-        pairs = list(zip(grads, [_tf_variable(v) for v in trainable_variables]))
+        pairs = list(zip(grads, [tf_variable(v) for v in trainable_variables]))
         optimizer._distributed_tf_update_step(strategy, pairs, learning_rate)
 
     def apply_weight_decay(variables):
@@ -62,7 +63,7 @@ def applying_across_replicas(optimizer, strategy):
 
         for variable in variables:
             if optimizer._use_weight_decay(variable):
-                strategy.extended.update(_tf_variable(variable), decay, group=False)
+                strategy.extended.update(tf_variable(variable), decay, group=False)
 
     optimizer._backend_update_step = update_step
     optimizer._apply_weight_decay = apply_weight_decay
@@ -79,6 +80,7 @@ __all__ = [
     "apply_mask",
     "get_keras_mask",
     "applying_across_replicas",
+    "tf_variable",
     "squeeze_or_expand_to_same_rank",
     "unscale_loss_for_distribution",
 ]

@@ -27,7 +27,7 @@ require_tensorflow()
 
 import tensorflow as tf  # noqa: E402
 
-from gradaccum._keras_compat import applying_across_replicas  # noqa: E402
+from gradaccum._keras_compat import applying_across_replicas, tf_variable  # noqa: E402
 from gradaccum._validation import check_choice, check_steps, check_weight_value  # noqa: E402
 
 REDUCTIONS = ("mean", "sum")
@@ -96,13 +96,6 @@ def _check_variables(variables) -> list:
     return listed
 
 
-def _tf_variable(variable):
-    """The tf.Variable behind a Keras variable (or the variable itself)."""
-    if isinstance(variable, tf.Variable):
-        return variable
-    return getattr(variable, "value", variable)
-
-
 def _strategy_name(strategy) -> str:
     return type(strategy).__name__.replace("V1", "")
 
@@ -118,7 +111,7 @@ def distribution_of(variables):
     """
     found = {}
     for variable in variables:
-        inner = _tf_variable(variable)
+        inner = tf_variable(variable)
         if isinstance(inner, tf.distribute.DistributedValues):
             strategy = inner.distribute_strategy
             found[id(strategy)] = strategy
