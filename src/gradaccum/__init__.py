@@ -18,20 +18,25 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "GradientAccumulator": "gradaccum.accumulator",
     "AccumulatingModel": "gradaccum.keras_model",
+    "BatchNormalization": "gradaccum.batch_norm",
+    "convert_batch_normalization": "gradaccum.batch_norm",
     "CountingCrossDeviceOps": "gradaccum.communication",
     "wrap": "gradaccum.keras_model",
 }
 
 __all__ = [
     "AccumulatingModel",
+    "BatchNormalization",
     "CountingCrossDeviceOps",
     "GradientAccumulator",
     "__version__",
+    "convert_batch_normalization",
     "wrap",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
     from gradaccum.accumulator import GradientAccumulator
+    from gradaccum.batch_norm import BatchNormalization, convert_batch_normalization
     from gradaccum.communication import CountingCrossDeviceOps
     from gradaccum.keras_model import AccumulatingModel, wrap
 

@@ -17,6 +17,7 @@ from keras.src.losses.loss import (
     unscale_loss_for_distribution,
 )
 from keras.src.losses.losses import LossFunctionWrapper
+from keras.src.models.functional import Functional
 
 
 def count_compiled_losses(compile_loss) -> int:
@@ -27,6 +28,39 @@ def count_compiled_losses(compile_loss) -> int:
     if flat is None:
         flat = [loss for loss in tf.nest.flatten(compile_loss._user_loss) if loss is not None]
     return len(flat)
+
+
+def flatten_layers(layer) -> list:
+    """`layer` and every layer inside it, nested models included."""
+    return layer._flatten_layers(include_self=True, recursive=True)
+
+
+def is_loss_scale_optimizer(optimizer) -> bool:
+    return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+
+
+def back_off_loss_scale(optimizer) -> None:
+    """Keras's own reaction of a LossScaleOptimizer to non-finite gradients:
+    the scale halves and the count of finite steps restarts."""
+    optimizer._stateful_handle_non_finite_grads()
+
+
+def grow_loss_scale(optimizer) -> None:
+    """A LossScaleOptimizer's count of finite steps, as Keras keeps it: after
+    `dynamic_growth_steps` finite steps in a row the scale doubles."""
+
+    def upscale():
+        optimizer.step_counter.assign(0)
+        optimizer.dynamic_scale.assign(optimizer.dynamic_scale * 2.0)
+
+    def increment():
+        optimizer.step_counter.assign_add(1)
+
+    keras.ops.cond(
+        keras.ops.equal(optimizer.step_counter, optimizer.dynamic_growth_steps - 1),
+        upscale,
+        increment,
+    )
 
 
 def tf_variable(variable):
@@ -75,6 +109,11 @@ def applying_across_replicas(optimizer, strategy):
 
 
 __all__ = [
+    "back_off_loss_scale",
+    "flatten_layers",
+    "grow_loss_scale",
+    "is_loss_scale_optimizer",
+    "Functional",
     "LossFunctionWrapper",
     "count_compiled_losses",
     "apply_mask",

@@ -27,8 +27,10 @@ require_tensorflow()
 
 import tensorflow as tf  # noqa: E402
 
+from gradaccum import _keras_compat as kc  # noqa: E402
 from gradaccum._keras_compat import applying_across_replicas, tf_variable  # noqa: E402
 from gradaccum._validation import check_choice, check_steps, check_weight_value  # noqa: E402
+from gradaccum.batch_norm import batch_normalization_layers  # noqa: E402
 
 REDUCTIONS = ("mean", "sum")
 ACCUMULATOR_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -68,6 +70,8 @@ def check_accumulator_dtype(accumulator_dtype) -> tf.DType:
 
 def check_optimizer(optimizer) -> None:
     """Refuses an optimizer that would accumulate gradients a second time."""
+    if kc.is_loss_scale_optimizer(optimizer):
+        optimizer = optimizer.inner_optimizer
     if getattr(optimizer, "gradient_accumulation_steps", None):
         raise ValueError(
             "The optimizer must not accumulate gradients itself when gradaccum "
@@ -94,6 +98,15 @@ def _check_variables(variables) -> list:
                 f"Received: an element of type {type(v).__name__}: {v!r}"
             )
     return listed
+
+
+def _all_finite(gradients):
+    checks = [
+        tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g))
+        for g in gradients
+        if g is not None
+    ]
+    return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
 
 
 def _strategy_name(strategy) -> str:
@@ -160,6 +173,12 @@ class GradientAccumulator(tf.Module):
     optimizer's clipping acts on the reduced gradient. The `condition` of `apply_if`
     (and so the window) must be the same on every replica.
 
+    Mixed precision: with a `keras.optimizers.LossScaleOptimizer`, pass gradients of
+    `optimizer.scale_loss(loss)`; each micro-batch is unscaled into the float32
+    accumulators, and one whose gradient is not finite is skipped with its weight
+    (the loss scale backs off as Keras's does, and `skipped` counts it). The update
+    is applied by the inner optimizer.
+
     Args:
         variables: the (trainable) variables whose gradients are accumulated, in the
             order of the gradient lists passed to `accumulate` and `step`.
@@ -172,12 +191,18 @@ class GradientAccumulator(tf.Module):
             (the learning rate then scales with the window).
         accumulator_dtype: dtype of the accumulators; `"float32"` whatever the
             variables' dtype, so bfloat16/float16 gradients lose nothing.
+        layers: a model or layers (or a list of them) whose
+            `gradaccum.BatchNormalization` layers this accumulator drives: their
+            moving statistics are updated once per update, from the window's pooled
+            statistics. Create the accumulator before the training step is traced.
         name: name scope of the accumulator's variables.
 
     Raises:
         ValueError: on an empty variable list, invalid `steps`, an unknown
-            `reduction`, a non-floating `accumulator_dtype`, or variables created
-            outside the scope of the distribution strategy in use.
+            `reduction`, a non-floating `accumulator_dtype`, `layers` that are not
+            Keras layers, variables created outside the scope of the distribution
+            strategy in use, or `gradaccum.BatchNormalization` layers under a
+            strategy with several replicas.
 
     Example:
 
@@ -206,6 +231,7 @@ class GradientAccumulator(tf.Module):
         steps: int | None = None,
         reduction: str = "mean",
         accumulator_dtype="float32",
+        layers=None,
         name: str = "gradient_accumulator",
     ):
         super().__init__(name=name)
@@ -220,6 +246,17 @@ class GradientAccumulator(tf.Module):
         # variable whose gradient is None.
         self._received = _Untracked([False] * len(variables))
         strategy = distribution_of(variables)
+        batch_norms = batch_normalization_layers(layers)
+        if batch_norms and strategy is not None and strategy.num_replicas_in_sync > 1:
+            raise ValueError(
+                "gradaccum.BatchNormalization pools window statistics on one replica: "
+                f"it is not supported under {_strategy_name(strategy)} with "
+                f"{strategy.num_replicas_in_sync} replicas. Received: layers with "
+                f"{len(batch_norms)} gradaccum.BatchNormalization layer(s)."
+            )
+        for layer in batch_norms:
+            layer._accumulated = True
+        self._batch_norms = _Untracked(tuple(batch_norms))
         # Replica-local state: each replica adds to its own copy without
         # communicating. Read across replicas (and saved), sums are summed and the
         # micro-step is the first replica's; restoring spreads them back.
@@ -245,6 +282,12 @@ class GradientAccumulator(tf.Module):
             self._total_weight = tf.Variable(
                 tf.constant(0, weight_dtype), name="total_weight", **summed
             )
+            # Micro-batches skipped for a non-finite gradient: in the open window
+            # (they count towards its length) and in all.
+            self._window_skipped = tf.Variable(
+                tf.constant(0, tf.int64), name="window_skipped", **counted
+            )
+            self._skipped = tf.Variable(tf.constant(0, tf.int64), name="skipped", **counted)
 
     # Read-only views -------------------------------------------------------------
 
@@ -283,9 +326,23 @@ class GradientAccumulator(tf.Module):
         """Sum of the weights of the micro-batches in the open window."""
         return self._total_weight
 
+    @property
+    def skipped(self) -> tf.Variable:
+        """Micro-batches skipped for a non-finite gradient, in all (int64 variable)."""
+        return self._skipped
+
+    @property
+    def batch_normalization_layers(self) -> tuple:
+        """The `gradaccum.BatchNormalization` layers this accumulator drives."""
+        return self._batch_norms.value
+
+    def window_length(self):
+        """Micro-batches in the open window, skipped ones included (int64 tensor)."""
+        return self._micro_step + self._window_skipped
+
     # Accumulation ----------------------------------------------------------------
 
-    def accumulate(self, gradients, weight=1.0) -> None:
+    def accumulate(self, gradients, weight=1.0, *, loss_scale_optimizer=None):
         """Adds one micro-batch's gradients with its weight.
 
         Args:
@@ -295,15 +352,25 @@ class GradientAccumulator(tf.Module):
             weight: the micro-batch's weight `w_i` (e.g. its batch size or token
                 count), a scalar >= 0. Ignored by reduction `"sum"` except in
                 `total_weight`.
+            loss_scale_optimizer: the `keras.optimizers.LossScaleOptimizer` whose
+                `scale_loss` scaled the loss these gradients come from: they are
+                unscaled, and if any is not finite the micro-batch is skipped.
+
+        Returns:
+            A boolean tensor: whether the micro-batch was accumulated (False: skipped
+            for a non-finite gradient under loss scaling).
 
         Raises:
             ValueError: a gradients list of the wrong length, a gradient whose shape
                 does not match its variable, or (when executing eagerly) a weight
-                that is negative, non-finite or not a scalar.
+                that is negative, non-finite or not a scalar; a `loss_scale_optimizer`
+                that is not a LossScaleOptimizer, or one under several replicas.
         """
-        self._add(gradients, weight, scale=self._reduction == "mean")
+        return self._add(
+            gradients, weight, self._reduction == "mean", loss_scale_optimizer
+        )
 
-    def accumulate_weighted(self, weighted_gradients, weight) -> None:
+    def accumulate_weighted(self, weighted_gradients, weight, *, loss_scale_optimizer=None):
         """Adds one micro-batch's gradients that already carry its weight.
 
         For reduction `"mean"`, pass the gradient of `weight * loss` (scale the loss,
@@ -315,32 +382,66 @@ class GradientAccumulator(tf.Module):
             weighted_gradients: `w_i * grad(L_i)` per target variable, as in
                 `accumulate`.
             weight: `w_i`, a scalar >= 0.
+            loss_scale_optimizer: as in `accumulate`.
+
+        Returns:
+            As `accumulate`.
 
         Raises:
             ValueError: as `accumulate`.
         """
-        self._add(weighted_gradients, weight, scale=False)
+        return self._add(weighted_gradients, weight, False, loss_scale_optimizer)
 
-    def _add(self, gradients, weight, scale: bool) -> None:
+    def _add(self, gradients, weight, scale: bool, loss_scale_optimizer=None):
         self._check_replica_context("accumulate")
         gradients = self._check_gradients(gradients)
         weight = self._check_weight(weight)
-        for i, (grad, acc) in enumerate(zip(gradients, self._accumulators)):
+        for i, grad in enumerate(gradients):
+            if grad is not None:
+                self._received.value[i] = True
+        if loss_scale_optimizer is None:
+            self._add_micro_batch(gradients, weight, weight if scale else None)
+            return tf.constant(True)
+        optimizer = self._check_loss_scale_optimizer(loss_scale_optimizer)
+
+        def add():
+            # One multiply per gradient both unscales and weighs.
+            factor = tf.math.reciprocal(tf.cast(optimizer.dynamic_scale, weight.dtype))
+            self._add_micro_batch(gradients, weight, weight * factor if scale else factor)
+            kc.grow_loss_scale(optimizer)
+            return tf.constant(True)
+
+        def skip():
+            self._window_skipped.assign_add(1)
+            self._skipped.assign_add(1)
+            for layer in self.batch_normalization_layers:
+                layer._discard_micro_batch()
+            kc.back_off_loss_scale(optimizer)
+            return tf.constant(False)
+
+        return tf.cond(_all_finite(gradients), add, skip)
+
+    def _add_micro_batch(self, gradients, weight, factor) -> None:
+        """Adds `factor * g` per variable (`g` when `factor` is None) and counts the
+        micro-batch with its weight."""
+        for grad, acc in zip(gradients, self._accumulators):
             if grad is None:
                 continue
-            self._received.value[i] = True
+            scale = None if factor is None else tf.cast(factor, acc.dtype)
             if isinstance(grad, tf.IndexedSlices):
                 values = tf.cast(grad.values, acc.dtype)
-                if scale:
-                    values = values * tf.cast(weight, acc.dtype)
+                if scale is not None:
+                    values = values * scale
                 acc.scatter_add(tf.IndexedSlices(values, grad.indices, grad.dense_shape))
             else:
                 grad = tf.cast(grad, acc.dtype)
-                if scale:
-                    grad = grad * tf.cast(weight, acc.dtype)
+                if scale is not None:
+                    grad = grad * scale
                 acc.assign_add(grad)
         self._micro_step.assign_add(1)
         self._total_weight.assign_add(weight)
+        for layer in self.batch_normalization_layers:
+            layer._accept_micro_batch()
 
     def gradients(self) -> list:
         """The combined gradient of the open window, without resetting.
@@ -370,11 +471,15 @@ class GradientAccumulator(tf.Module):
         return combined
 
     def reset(self) -> None:
-        """Empties the open window: accumulators, weight total and micro-step."""
+        """Empties the open window: accumulators, weight total, micro-step, skips in
+        the window and the window statistics of batch normalization layers."""
         for acc in self._accumulators:
             acc.assign(tf.zeros_like(acc))
         self._micro_step.assign(0)
+        self._window_skipped.assign(0)
         self._total_weight.assign(tf.zeros_like(self._total_weight))
+        for layer in self.batch_normalization_layers:
+            layer._reset_window()
 
     def apply(self, optimizer):
         """Applies the combined gradient of the open window, then resets.
@@ -408,20 +513,37 @@ class GradientAccumulator(tf.Module):
         if tf.distribute.has_strategy():
             return self._apply_if_distributed(optimizer, condition)
         self._prepare_optimizer(optimizer)
+        condition = tf.cast(condition, tf.bool)
 
         def update():
             self._apply_combined(optimizer, self.gradients())
             return tf.constant(True)
 
-        pred = tf.logical_and(
-            tf.cast(condition, tf.bool), self._micro_step > 0
+        return tf.cond(
+            tf.logical_and(condition, self._micro_step > 0),
+            update,
+            lambda: self._close_if_empty(condition),
         )
-        return tf.cond(pred, update, lambda: tf.constant(False))
+
+    def _close_if_empty(self, condition):
+        """A window due with nothing accumulated (every micro-batch skipped) closes
+        without an update."""
+
+        def close():
+            self._window_skipped.assign(0)
+            return tf.constant(False)
+
+        return tf.cond(condition, close, lambda: tf.constant(False))
 
     def _apply_combined(self, optimizer, combined) -> None:
+        if kc.is_loss_scale_optimizer(optimizer):
+            # The accumulated gradients are unscaled and finite already.
+            optimizer = optimizer.inner_optimizer
         optimizer.apply_gradients(
             [(g, v) for g, v in zip(combined, self.target_variables) if g is not None]
         )
+        for layer in self.batch_normalization_layers:
+            layer._commit_window()
         self.reset()
 
     # Distribution ----------------------------------------------------------------
@@ -432,24 +554,29 @@ class GradientAccumulator(tf.Module):
         if tf.distribute.in_cross_replica_context():
             # Outside `strategy.run` (e.g. closing a window at the end of the data).
             self._prepare_optimizer(optimizer)
-            due = tf.logical_and(tf.cast(condition, tf.bool), self._micro_step > 0)
-            return self._update_across_replicas_if(strategy, optimizer, due)
+            condition = tf.cast(condition, tf.bool)
+            due = tf.logical_and(condition, self._micro_step > 0)
+            return self._update_across_replicas_if(strategy, optimizer, due, condition)
         context = tf.distribute.get_replica_context()
         if not getattr(optimizer, "built", True):
             context.merge_call(lambda _: self._prepare_optimizer(optimizer))
         check_optimizer(optimizer)
-        due = tf.logical_and(tf.cast(condition, tf.bool), self._micro_step > 0)
+        condition = tf.cast(condition, tf.bool)
+        due = tf.logical_and(condition, self._micro_step > 0)
         # Replicas cannot synchronize inside a tf.cond of a replica function (keras
         # issue 20582), so they meet here on every call, which costs no
         # communication, and the condition is taken in cross-replica context.
-        return context.merge_call(self._update_across_replicas_if, args=(optimizer, due))
+        return context.merge_call(
+            self._update_across_replicas_if, args=(optimizer, due, condition)
+        )
 
-    def _update_across_replicas_if(self, strategy, optimizer, due):
+    def _update_across_replicas_if(self, strategy, optimizer, due, condition):
         due = strategy.experimental_local_results(due)[0]
+        condition = strategy.experimental_local_results(condition)[0]
         return tf.cond(
             due,
             lambda: self._update_across_replicas(strategy, optimizer),
-            lambda: tf.constant(False),
+            lambda: self._close_if_empty(condition),
         )
 
     def _update_across_replicas(self, strategy, optimizer):
@@ -460,6 +587,8 @@ class GradientAccumulator(tf.Module):
             tf.distribute.ReduceOp.SUM, [(v, v) for v in state]
         )
         *sums, total_weight = [strategy.experimental_local_results(r)[0] for r in reduced]
+        if kc.is_loss_scale_optimizer(optimizer):
+            optimizer = optimizer.inner_optimizer
         with applying_across_replicas(optimizer, strategy):
             self._apply_combined(optimizer, self._combine(sums, total_weight))
         return tf.constant(True)
@@ -485,8 +614,9 @@ class GradientAccumulator(tf.Module):
                 "steps=None. Pass `steps=` to GradientAccumulator, or call "
                 "`accumulate()` and `apply()` yourself."
             )
-        self.accumulate(gradients, weight)
-        return self.apply_if(optimizer, self._micro_step >= self._steps)
+        loss_scale_optimizer = optimizer if kc.is_loss_scale_optimizer(optimizer) else None
+        self.accumulate(gradients, weight, loss_scale_optimizer=loss_scale_optimizer)
+        return self.apply_if(optimizer, self.window_length() >= self._steps)
 
     # Internals -------------------------------------------------------------------
 
@@ -501,6 +631,24 @@ class GradientAccumulator(tf.Module):
         if not getattr(optimizer, "built", True):
             # Create the slots outside any `tf.cond` branch.
             optimizer.build(list(self.target_variables))
+
+    def _check_loss_scale_optimizer(self, optimizer):
+        if not kc.is_loss_scale_optimizer(optimizer):
+            raise ValueError(
+                "`loss_scale_optimizer` must be a keras.optimizers.LossScaleOptimizer. "
+                f"Received: loss_scale_optimizer of type {type(optimizer).__name__}"
+            )
+        strategy = tf.distribute.get_strategy()
+        if strategy.num_replicas_in_sync > 1:
+            raise ValueError(
+                "Loss scaling with gradaccum is supported on one replica: the loss "
+                "scale would have to agree across replicas on every micro-batch. "
+                f"Received: a LossScaleOptimizer under {_strategy_name(strategy)} with "
+                f"{strategy.num_replicas_in_sync} replicas. Use the mixed_bfloat16 "
+                "policy (no loss scaling) under a strategy."
+            )
+        self._prepare_optimizer(optimizer)
+        return optimizer
 
     def _check_replica_context(self, method: str) -> None:
         if not tf.distribute.has_strategy():

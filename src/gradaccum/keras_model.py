@@ -29,6 +29,7 @@ from gradaccum.accumulator import (
     check_optimizer,
     distribution_of,
 )
+from gradaccum.batch_norm import convert_batch_normalization
 from gradaccum.weighting import (
     NormalizerLog,
     callable_weight,
@@ -59,16 +60,37 @@ class _UpdatesMetric(keras.metrics.Metric):
         return tf.cast(optimizer.iterations, tf.float32)
 
 
+class _SkippedMetric(keras.metrics.Metric):
+    """Shows the micro-batches skipped for a non-finite gradient in the logs of fit."""
+
+    def __init__(self, trainer, name="skipped"):
+        super().__init__(name=name)
+        self._trainer = _Untracked(trainer)
+
+    def update_state(self, *args, **kwargs):
+        pass
+
+    def reset_state(self):
+        pass
+
+    def result(self):
+        state = self._trainer.value._fit_state
+        if state is None:
+            return tf.constant(0.0)
+        return tf.cast(state.accumulator.skipped, tf.float32)
+
+
 class _FitState(tf.Module):
     """Accumulation state of fit: the accumulator and the epoch position."""
 
-    def __init__(self, variables, steps, reduction, accumulator_dtype, terms=0):
+    def __init__(self, variables, steps, reduction, accumulator_dtype, terms=0, layers=None):
         super().__init__(name="gradaccum_fit_state")
         self.accumulator = GradientAccumulator(
             variables,
             steps=steps,
             reduction=reduction,
             accumulator_dtype=accumulator_dtype,
+            layers=layers,
         )
         # Replica-local (every replica counts the same micro-batches): updating
         # them inside a replica's step needs no communication.
@@ -96,6 +118,8 @@ class _FitState(tf.Module):
         named.update(
             micro_step=acc.micro_step,
             total_weight=acc.total_weight,
+            window_skipped=acc._window_skipped,
+            skipped=acc.skipped,
             epoch_step=self.epoch_step,
             resume_skip=self.resume_skip,
         )
@@ -169,6 +193,7 @@ class AccumulatingModel(keras.Model):
         partial: str = "flush",
         reduction: str = "mean",
         accumulator_dtype="float32",
+        convert_batch_norm: bool = False,
         **kwargs,
     ):
         if not isinstance(model, keras.Model):
@@ -182,6 +207,13 @@ class AccumulatingModel(keras.Model):
                 f"Received: model={model.name!r}, a gradaccum AccumulatingModel; "
                 "wrap its `.model` instead."
             )
+        if not isinstance(convert_batch_norm, bool):
+            raise ValueError(
+                "`convert_batch_norm` must be True or False. "
+                f"Received: convert_batch_norm={convert_batch_norm!r}"
+            )
+        if convert_batch_norm:
+            model = convert_batch_normalization(model)
         if model.built:
             distribution_of(model.trainable_variables)
         kwargs.setdefault("name", f"gradaccum_{model.name}")
@@ -194,6 +226,7 @@ class AccumulatingModel(keras.Model):
         self.accumulator_dtype = check_accumulator_dtype(accumulator_dtype).name
         self._normalizers = NormalizerLog()
         self._updates = _UpdatesMetric(self)
+        self._skips = _SkippedMetric(self)
         self._fit_state = None
         self._end_of_data_function = None
         self._inexact_warned = False
@@ -222,18 +255,29 @@ class AccumulatingModel(keras.Model):
             steps_per_execution = self.steps if replicas == 1 else 1
         optimizer = keras.optimizers.get(optimizer)
         check_optimizer(optimizer)
-        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            raise ValueError(
-                "`optimizer` must not be a LossScaleOptimizer: loss scaling under "
-                "accumulation is not supported by this version of gradaccum. "
-                "Received: optimizer=LossScaleOptimizer"
-            )
         if self.weighting == "exact":
             loss = record_normalizers(loss, self._normalizers)
         super().compile(optimizer, loss, *args, steps_per_execution=steps_per_execution,
                         **kwargs)
+        # Keras wraps the optimizer in a LossScaleOptimizer under mixed_float16.
+        replicas = self.distribute_strategy.num_replicas_in_sync
+        if kc.is_loss_scale_optimizer(self.optimizer) and replicas > 1:
+            raise ValueError(
+                "Loss scaling with gradaccum is supported on one replica. Received: "
+                f"a LossScaleOptimizer (mixed_float16 policy or given) under "
+                f"{type(self.distribute_strategy).__name__} with {replicas} replicas. "
+                "Use the mixed_bfloat16 policy (no loss scaling) under a strategy."
+            )
         self._fit_state = None
         self._end_of_data_function = None
+
+    @property
+    def metrics(self):
+        metrics = super().metrics
+        if self.optimizer is None or not kc.is_loss_scale_optimizer(self.optimizer):
+            # Only loss scaling skips micro-batches: no counter to show otherwise.
+            metrics = [m for m in metrics if m is not self._skips]
+        return metrics
 
     def compile_from_config(self, config):
         config = keras.saving.deserialize_keras_object(config)
@@ -252,6 +296,8 @@ class AccumulatingModel(keras.Model):
             "partial": self.partial,
             "reduction": self.reduction,
             "accumulator_dtype": self.accumulator_dtype,
+            # The saved model holds the converted layers already.
+            "convert_batch_norm": False,
             "name": self.name,
         }
 
@@ -357,12 +403,16 @@ class AccumulatingModel(keras.Model):
         terms = max(0, kc.count_compiled_losses(getattr(self, "_compile_loss", None)) - 1)
         with self.distribute_strategy.scope():
             distribution_of(self.trainable_variables)
+            if self.optimizer is not None and not self.optimizer.built:
+                # Before tracing: a loss scale read in the step must be a variable.
+                self.optimizer.build(self.trainable_variables)
             self._fit_state = _FitState(
                 self.trainable_variables,
                 self.steps,
                 self.reduction,
                 self.accumulator_dtype,
                 terms=terms,
+                layers=self.model,
             )
 
     def _skip_micro_batch(self):
@@ -396,18 +446,26 @@ class AccumulatingModel(keras.Model):
                 objective = kc.unscale_loss_for_distribution(loss) * tf.cast(
                     weight, loss.dtype
                 )
+            # Loss scaling (a LossScaleOptimizer's dynamic scale, or an optimizer's
+            # static `loss_scale_factor`), as Keras's own train step does.
+            objective = self.optimizer.scale_loss(objective)
         gradients = tape.gradient(objective, variables)
         self._loss_tracker.update_state(
             kc.unscale_loss_for_distribution(loss), sample_weight=weight
         )
         state.epoch_step.assign_add(1)
-        if self.steps == 1 and not distributed:
+        loss_scaled = kc.is_loss_scale_optimizer(self.optimizer)
+        acc = state.accumulator
+        if self.steps == 1 and not (distributed or loss_scaled or acc.batch_normalization_layers):
             # A window of one micro-batch: G = w g / w = g, so skip the copy.
             self.optimizer.apply_gradients(
                 [(g, v) for g, v in zip(gradients, variables) if g is not None]
             )
         else:
-            state.accumulator.accumulate_weighted(gradients, weight)
+            acc.accumulate_weighted(
+                gradients, weight,
+                loss_scale_optimizer=self.optimizer if loss_scaled else None,
+            )
             self._close_window_if_due()
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
@@ -443,7 +501,7 @@ class AccumulatingModel(keras.Model):
         end_of_data = tf.logical_and(
             state.epoch_length > 0, state.epoch_step >= state.epoch_length
         )
-        full = acc.micro_step >= self.steps
+        full = acc.window_length() >= self.steps
         if self.partial == "flush":
             acc.apply_if(self.optimizer, tf.logical_or(full, end_of_data))
         else:
@@ -502,6 +560,7 @@ def wrap(
     partial: str = "flush",
     reduction: str = "mean",
     accumulator_dtype="float32",
+    convert_batch_norm: bool = False,
 ) -> AccumulatingModel:
     """Wraps a Keras model so that `fit()` trains it with gradient accumulation.
 
@@ -525,6 +584,17 @@ def wrap(
             weight, `"carry"` keeps it open into the next epoch, `"drop"` discards it.
         reduction: `"mean"` (default) or `"sum"` (sum of the micro-batch gradients).
         accumulator_dtype: dtype of the accumulators (float32 by default).
+        convert_batch_norm: if True, train a copy of `model` whose Keras
+            `BatchNormalization` layers are `gradaccum.BatchNormalization` (gamma,
+            beta and moving statistics carried over; see
+            `gradaccum.convert_batch_normalization`): moving statistics then move
+            once per update from the window's statistics. `trainer.model` is that
+            copy, and `model` is left untouched. Without it, layers that already are
+            `gradaccum.BatchNormalization` are driven by the accumulator anyway.
+
+    Mixed precision: under the `mixed_float16` policy Keras wraps the optimizer in a
+    `LossScaleOptimizer`; a micro-batch whose gradient is not finite is then skipped
+    with its weight, the loss scale backs off, and the logs show `skipped`.
 
     Returns:
         An `AccumulatingModel` to `compile` and `fit` like any Keras model. Its logs
@@ -532,7 +602,9 @@ def wrap(
 
     Raises:
         ValueError: if `model` is not a Keras model, or on an invalid `steps`,
-            `weighting`, `partial`, `reduction` or `accumulator_dtype`.
+            `weighting`, `partial`, `reduction`, `accumulator_dtype` or
+            `convert_batch_norm`, or (with `convert_batch_norm`) a subclassed model
+            or a BatchNormalization option that cannot be honoured.
 
     Example:
 
@@ -554,4 +626,5 @@ def wrap(
         partial=partial,
         reduction=reduction,
         accumulator_dtype=accumulator_dtype,
+        convert_batch_norm=convert_batch_norm,
     )

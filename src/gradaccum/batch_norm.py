@@ -1,0 +1,289 @@
+"""Batch normalization whose moving statistics know about accumulation.
+
+Keras's `BatchNormalization` updates its moving mean and variance on every forward
+pass from that micro-batch's statistics: under accumulation that is k updates per
+optimizer update, each from a small, noisy batch. `gradaccum.BatchNormalization`
+normalizes with the micro-batch's own statistics too (as ghost batch norm), but
+records them, pools the window's micro-batches exactly (window mean; window variance
+including the spread between micro-batch means) and updates the moving statistics
+once per optimizer update: what one large batch would have recorded.
+
+The layer records only while an accumulator drives it (`wrap` does this; in a custom
+loop, pass the model as `GradientAccumulator(..., layers=model)`); otherwise it
+behaves exactly as Keras's layer.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from gradaccum._keras_compat import Functional, flatten_layers
+
+_REFUSED = {
+    "renorm": "batch renormalization corrects every micro-batch with moving statistics "
+    "that would change once per window",
+    "synchronized": "micro-batch statistics are pooled per window by gradaccum, on one "
+    "replica",
+}
+
+
+def merge_moments(a, b):
+    """Pools two groups given as (count, mean, sum of squared deviations).
+
+    The parallel form of Welford's update (Chan et al.): exact for any split, with
+    no cancellation between large raw moments. An empty group (count 0) is neutral.
+    """
+    n_a, mean_a, m2_a = a
+    n_b, mean_b, m2_b = b
+    n = n_a + n_b
+    delta = mean_b - mean_a
+    mean = mean_a + delta * tf.math.divide_no_nan(n_b, n)
+    m2 = m2_a + m2_b + tf.square(delta) * tf.math.divide_no_nan(n_a * n_b, n)
+    return n, mean, m2
+
+
+def _check_options(config: dict, name: str) -> None:
+    for option, why in _REFUSED.items():
+        if config.get(option):
+            raise ValueError(
+                f"gradaccum.BatchNormalization cannot honour `{option}=True`: {why}. "
+                f"Received: {option}=True (layer {name!r}). Use `{option}=False`, or "
+                "keep Keras's BatchNormalization for this layer."
+            )
+
+
+@keras.saving.register_keras_serializable(package="gradaccum")
+class BatchNormalization(keras.layers.BatchNormalization):
+    """A drop-in for `keras.layers.BatchNormalization` under gradient accumulation.
+
+    Takes Keras's arguments (any `axis`, inputs of rank 2 to 5, `center`, `scale`,
+    initializers, regularizers, constraints, masks). In training, each micro-batch is
+    normalized with its own statistics; when an accumulator drives the layer, the
+    moving mean and variance are updated once per optimizer update, from the pooled
+    statistics of the micro-batches of the window:
+
+        moving = momentum * moving + (1 - momentum) * window statistic
+
+    where the window variance is the biased variance of the concatenated window (as
+    Keras records for one batch). A micro-batch skipped for a non-finite gradient is
+    left out; a dropped partial window is forgotten. The pending window is layer state
+    (`window_count`, `window_mean`, `window_m2`), saved with the weights.
+
+    Not driven by an accumulator (plain `fit`, inference), it is Keras's layer.
+
+    Raises:
+        ValueError: on `renorm=True` or `synchronized=True`, which cannot be honoured
+            with per-window statistics.
+
+    Example:
+
+    >>> import keras, numpy as np, gradaccum
+    >>> model = keras.Sequential([
+    ...     keras.Input((3,)), keras.layers.Dense(4), gradaccum.BatchNormalization(),
+    ...     keras.layers.Dense(1)])
+    >>> trainer = gradaccum.wrap(model, steps=2)
+    >>> trainer.compile(optimizer="sgd", loss="mse")
+    >>> x = np.arange(24, dtype="float32").reshape(8, 3)
+    >>> _ = trainer.fit(x, np.ones((8, 1)), batch_size=2, verbose=0)
+    >>> bn = model.layers[1]
+    >>> float(bn.window_count.numpy())  # every window applied: nothing pending
+    0.0
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _check_options(
+            {"renorm": self.renorm, "synchronized": self.synchronized}, self.name
+        )
+        # Set by the accumulator that drives the layer (read when a step is traced).
+        self._accumulated = False
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        channels = (input_shape[self.axis],)
+
+        def state(name, shape):
+            return self.add_weight(
+                shape=shape,
+                name=name,
+                initializer="zeros",
+                trainable=False,
+                autocast=False,
+                dtype="float32",
+            )
+
+        # The micro-batch being computed (one or more forward passes), and the
+        # accepted micro-batches of the open window.
+        self.micro_count = state("micro_count", ())
+        self.micro_mean = state("micro_mean", channels)
+        self.micro_m2 = state("micro_m2", channels)
+        self.window_count = state("window_count", ())
+        self.window_mean = state("window_mean", channels)
+        self.window_m2 = state("window_m2", channels)
+
+    def call(self, inputs, training=None, mask=None):
+        if not (training and self.trainable and self._accumulated):
+            return super().call(inputs, training=training, mask=mask)
+        if mask is not None and len(mask.shape) != len(inputs.shape) - 1:
+            # Keras's own message for the same mistake.
+            return super().call(inputs, training=training, mask=mask)
+        # Statistics in float32 (float64 for float64 inputs), as Keras's layer.
+        inputs = tf.cast(inputs, tf.float64 if inputs.dtype == tf.float64 else tf.float32)
+        mean, variance = self._moments(inputs, mask)
+        self._record(self._count(inputs, mask), mean, variance)
+        gamma = tf.cast(self.gamma, inputs.dtype) if self.scale else None
+        beta = tf.cast(self.beta, inputs.dtype) if self.center else None
+        outputs = keras.ops.batch_normalization(
+            inputs, mean, variance, axis=self.axis, offset=beta, scale=gamma,
+            epsilon=self.epsilon,
+        )
+        return tf.cast(outputs, self.compute_dtype)
+
+    # Window statistics ----------------------------------------------------------
+
+    def _count(self, inputs, mask):
+        """Elements per channel that the micro-batch's moments average over."""
+        channels = tf.cast(tf.shape(inputs)[self.axis], tf.float32)
+        if mask is None:
+            return tf.cast(tf.size(inputs), tf.float32) / channels
+        weights = tf.broadcast_to(tf.expand_dims(tf.cast(mask, tf.float32), -1),
+                                  tf.shape(inputs))
+        return tf.reduce_sum(weights) / channels
+
+    def _record(self, count, mean, variance):
+        mean = tf.cast(tf.reshape(mean, [-1]), tf.float32)
+        m2 = tf.cast(tf.reshape(variance, [-1]), tf.float32) * count
+        self._assign_micro(merge_moments(self._micro(), (count, mean, m2)))
+
+    def _micro(self):
+        return self.micro_count, self.micro_mean, self.micro_m2
+
+    def _window(self):
+        return self.window_count, self.window_mean, self.window_m2
+
+    def _assign_micro(self, moments):
+        for variable, value in zip(self._micro(), moments):
+            variable.assign(value)
+
+    def _assign_window(self, moments):
+        for variable, value in zip(self._window(), moments):
+            variable.assign(value)
+
+    def _accept_micro_batch(self):
+        """The micro-batch's gradient was accumulated: pool its statistics."""
+        self._assign_window(
+            merge_moments(
+                [v.value for v in self._window()], [v.value for v in self._micro()]
+            )
+        )
+        self._discard_micro_batch()
+
+    def _discard_micro_batch(self):
+        for variable in self._micro():
+            variable.assign(tf.zeros_like(variable))
+
+    def _commit_window(self):
+        """The optimizer updated: move the moving statistics once, then reset."""
+        count, mean, m2 = (v.value for v in self._window())
+        recorded = count > 0
+        variance = tf.math.divide_no_nan(m2, count)
+        momentum = tf.constant(self.momentum, tf.float32)
+        for moving, window in ((self.moving_mean, mean), (self.moving_variance, variance)):
+            current = tf.cast(moving.value, tf.float32)
+            updated = current * momentum + window * (1.0 - momentum)
+            moving.assign(tf.cast(tf.where(recorded, updated, current), moving.dtype))
+        self._reset_window()
+
+    def _reset_window(self):
+        for variable in (*self._window(), *self._micro()):
+            variable.assign(tf.zeros_like(variable))
+
+
+def batch_normalization_layers(layers) -> list[BatchNormalization]:
+    """The `gradaccum.BatchNormalization` layers in `layers` (models or layers)."""
+    if layers is None:
+        return []
+    if isinstance(layers, keras.layers.Layer):
+        layers = [layers]
+    found = []
+    for item in layers:
+        if not isinstance(item, keras.layers.Layer):
+            raise ValueError(
+                "`layers` must be a Keras layer or model, or a list of them. "
+                f"Received: an element of type {type(item).__name__}: {item!r}"
+            )
+        for layer in flatten_layers(item):
+            if isinstance(layer, BatchNormalization) and layer not in found:
+                found.append(layer)
+    return found
+
+
+def _plain_batch_normalization(layer) -> bool:
+    return isinstance(layer, keras.layers.BatchNormalization) and not isinstance(
+        layer, BatchNormalization
+    )
+
+
+def convert_batch_normalization(model):
+    """A copy of `model` whose Keras BatchNormalization layers are gradaccum's.
+
+    Every layer is cloned (nested Sequential and functional models too) and its
+    weights copied: gamma, beta and the moving statistics carry over, the copy shares
+    no variable with `model`, and its predictions in inference mode are those of
+    `model`. `model` itself is left as it was.
+
+    Args:
+        model: a Sequential or functional `keras.Model` (a subclassed model cannot be
+            cloned: build it with `gradaccum.BatchNormalization` instead).
+
+    Returns:
+        The converted `keras.Model`.
+
+    Raises:
+        ValueError: for a subclassed model, or a BatchNormalization layer with an
+            option gradaccum cannot honour (`renorm`, `synchronized`).
+
+    Example:
+
+    >>> import keras, numpy as np, gradaccum
+    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4),
+    ...                           keras.layers.BatchNormalization()])
+    >>> converted = gradaccum.convert_batch_normalization(model)
+    >>> type(converted.layers[1]).__module__
+    'gradaccum.batch_norm'
+    >>> x = np.ones((2, 3), "float32")
+    >>> bool(np.array_equal(model.predict(x, verbose=0), converted.predict(x, verbose=0)))
+    True
+    """
+    if not isinstance(model, (keras.Sequential, Functional)):
+        raise ValueError(
+            "`model` must be a Sequential or functional keras.Model to convert its "
+            "BatchNormalization layers. Received: model of type "
+            f"{type(model).__name__}. Build a subclassed model with "
+            "`gradaccum.BatchNormalization` instead."
+        )
+    for layer in flatten_layers(model):
+        if _plain_batch_normalization(layer):
+            _check_options(layer.get_config(), layer.name)
+    pairs = []
+
+    def clone(layer):
+        if _plain_batch_normalization(layer):
+            new = BatchNormalization.from_config(layer.get_config())
+        else:
+            new = layer.__class__.from_config(layer.get_config())
+        pairs.append((layer, new))
+        return new
+
+    converted = keras.models.clone_model(model, clone_function=clone, recursive=True)
+    for old, new in pairs:
+        if isinstance(new, BatchNormalization) and _plain_batch_normalization(old):
+            # Gamma, beta (when present) and the moving statistics; the window
+            # state, which Keras's layer does not have, starts empty.
+            targets = {w.name: w for w in new.weights}
+            for source in old.weights:
+                targets[source.name].assign(source.value)
+        elif old.weights:
+            new.set_weights(old.get_weights())
+    return converted
