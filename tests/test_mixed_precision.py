@@ -6,9 +6,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from conftest import OPTIMIZERS, assert_same_state, grads_of, make_data, make_mlp, mean_loss
 
 import gradaccum
+from conftest import OPTIMIZERS, assert_same_state, grads_of, make_data, make_mlp, mean_loss
 
 
 @pytest.fixture
