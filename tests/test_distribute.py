@@ -260,6 +260,37 @@ def test_wrap_refuses_a_model_built_outside_the_strategy_scope():
     )
 
 
+def test_loss_scaling_is_refused_on_several_replicas():
+    strategy = mirrored()
+    with strategy.scope():
+        trainer = gradaccum.wrap(mlp(), steps=2)
+        with pytest.raises(ValueError) as info:
+            trainer.compile(
+                optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()),
+                loss="mse",
+            )
+    assert str(info.value) == (
+        "Loss scaling with gradaccum is supported on one replica. Received: a "
+        "LossScaleOptimizer (mixed_float16 policy or given) under MirroredStrategy with "
+        "2 replicas. Use the mixed_bfloat16 policy (no loss scaling) under a strategy."
+    )
+
+
+def test_batch_normalization_is_refused_on_several_replicas():
+    strategy = mirrored()
+    with strategy.scope():
+        model = keras.Sequential(
+            [keras.Input((6,)), gradaccum.BatchNormalization(), keras.layers.Dense(3)]
+        )
+        with pytest.raises(ValueError) as info:
+            gradaccum.GradientAccumulator(model.trainable_variables, layers=model)
+    assert str(info.value) == (
+        "gradaccum.BatchNormalization pools window statistics on one replica: it is "
+        "not supported under MirroredStrategy with 2 replicas. Received: layers with 1 "
+        "gradaccum.BatchNormalization layer(s)."
+    )
+
+
 def test_custom_loop_refuses_an_accumulator_of_variables_built_outside_the_scope():
     strategy = mirrored()
     model = mlp()

@@ -245,6 +245,9 @@ class GradientAccumulator(tf.Module):
         # time); the others are left out of the update as Keras leaves out a
         # variable whose gradient is None.
         self._received = _Untracked([False] * len(variables))
+        # Whether micro-batches can be skipped (loss scaling seen at trace time):
+        # only then must a due window with nothing accumulated be closed explicitly.
+        self._skips_possible = _Untracked([False])
         strategy = distribution_of(variables)
         batch_norms = batch_normalization_layers(layers)
         if batch_norms and strategy is not None and strategy.num_replicas_in_sync > 1:
@@ -403,6 +406,7 @@ class GradientAccumulator(tf.Module):
             self._add_micro_batch(gradients, weight, weight if scale else None)
             return tf.constant(True)
         optimizer = self._check_loss_scale_optimizer(loss_scale_optimizer)
+        self._skips_possible.value[0] = True
 
         def add():
             # One multiply per gradient both unscales and weighs.
@@ -528,6 +532,8 @@ class GradientAccumulator(tf.Module):
     def _close_if_empty(self, condition):
         """A window due with nothing accumulated (every micro-batch skipped) closes
         without an update."""
+        if not self._skips_possible.value[0]:
+            return tf.constant(False)
 
         def close():
             self._window_skipped.assign(0)
