@@ -279,8 +279,8 @@ def test_checkpoint_holds_only_the_accumulation_state():
     model = make_mlp()
     acc = gradaccum.GradientAccumulator(model.trainable_variables)
     names = sorted(v.name for v in acc.variables)
-    assert len(acc.variables) == len(model.trainable_variables) + 4
-    for state in ("micro_step", "total_weight", "window_skipped", "skipped"):
+    assert len(acc.variables) == len(model.trainable_variables) + 5
+    for state in ("micro_step", "total_weight", "window_skipped", "skipped", "micro_batches"):
         assert any(n.split("/")[-1].split(":")[0] == state for n in names), state
     assert all(v.dtype == tf.float32 for v in acc.accumulators)
 

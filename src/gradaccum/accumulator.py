@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import warnings
 
 from gradaccum._tf import require_tensorflow
 
@@ -33,6 +34,7 @@ from gradaccum._validation import check_choice, check_steps, check_weight_value 
 from gradaccum.batch_norm import batch_normalization_layers  # noqa: E402
 
 REDUCTIONS = ("mean", "sum")
+NONFINITE = ("skip", "raise", "apply")
 ACCUMULATOR_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
@@ -101,12 +103,14 @@ def _check_variables(variables) -> list:
 
 
 def _all_finite(gradients):
-    checks = [
-        tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g))
+    """Whether every gradient is finite: one sum per gradient (an inf or a nan makes
+    its sum non-finite), a single pass that needs no boolean copy of the gradient."""
+    sums = [
+        tf.reduce_sum(tf.cast(g.values if isinstance(g, tf.IndexedSlices) else g, tf.float32))
         for g in gradients
         if g is not None
     ]
-    return tf.reduce_all(tf.stack(checks)) if checks else tf.constant(True)
+    return tf.reduce_all(tf.math.is_finite(tf.stack(sums))) if sums else tf.constant(True)
 
 
 def _strategy_name(strategy) -> str:
@@ -191,6 +195,14 @@ class GradientAccumulator(tf.Module):
             (the learning rate then scales with the window).
         accumulator_dtype: dtype of the accumulators; `"float32"` whatever the
             variables' dtype, so bfloat16/float16 gradients lose nothing.
+        nonfinite: what a micro-batch whose gradient holds an inf or a nan does.
+            `"skip"` (default): it is dropped with its weight (it still counts
+            towards the window's length), `skipped` counts it, and a warning is
+            shown once when running eagerly (`fit` warns too). `"raise"`: an
+            `InvalidArgumentError` naming the micro-batch (under `jit_compile` the
+            check cannot raise and the micro-batch is skipped). `"apply"`: it is
+            accumulated as it is (Keras's behaviour). Under a LossScaleOptimizer
+            such micro-batches are always skipped and the loss scale backs off.
         layers: a model or layers (or a list of them) whose
             `gradaccum.BatchNormalization` layers this accumulator drives: their
             moving statistics are updated once per update, from the window's pooled
@@ -199,7 +211,7 @@ class GradientAccumulator(tf.Module):
 
     Raises:
         ValueError: on an empty variable list, invalid `steps`, an unknown
-            `reduction`, a non-floating `accumulator_dtype`, `layers` that are not
+            `reduction` or `nonfinite`, a non-floating `accumulator_dtype`, `layers` that are not
             Keras layers, variables created outside the scope of the distribution
             strategy in use, or `gradaccum.BatchNormalization` layers under a
             strategy with several replicas.
@@ -232,6 +244,7 @@ class GradientAccumulator(tf.Module):
         reduction: str = "mean",
         accumulator_dtype="float32",
         layers=None,
+        nonfinite: str = "skip",
         name: str = "gradient_accumulator",
     ):
         super().__init__(name=name)
@@ -239,6 +252,8 @@ class GradientAccumulator(tf.Module):
         self._steps = check_steps(steps, allow_none=True)
         self._reduction = check_choice("reduction", reduction, REDUCTIONS)
         self._accumulator_dtype = check_accumulator_dtype(accumulator_dtype)
+        self._nonfinite = check_choice("nonfinite", nonfinite, NONFINITE)
+        self._warned_skip = False
         weight_dtype = tf.float64 if self._accumulator_dtype == tf.float64 else tf.float32
         self._targets = _Untracked(tuple(variables))
         # Variables that got a gradient in some `accumulate` call (known at trace
@@ -247,7 +262,7 @@ class GradientAccumulator(tf.Module):
         self._received = _Untracked([False] * len(variables))
         # Whether micro-batches can be skipped (loss scaling seen at trace time):
         # only then must a due window with nothing accumulated be closed explicitly.
-        self._skips_possible = _Untracked([False])
+        self._skips_possible = _Untracked([self._nonfinite != "apply"])
         strategy = distribution_of(variables)
         batch_norms = batch_normalization_layers(layers)
         if batch_norms and strategy is not None and strategy.num_replicas_in_sync > 1:
@@ -291,6 +306,10 @@ class GradientAccumulator(tf.Module):
                 tf.constant(0, tf.int64), name="window_skipped", **counted
             )
             self._skipped = tf.Variable(tf.constant(0, tf.int64), name="skipped", **counted)
+            # Micro-batches presented since creation, skipped ones included.
+            self._micro_batches = tf.Variable(
+                tf.constant(0, tf.int64), name="micro_batches", **counted
+            )
 
     # Read-only views -------------------------------------------------------------
 
@@ -335,6 +354,16 @@ class GradientAccumulator(tf.Module):
         return self._skipped
 
     @property
+    def micro_batches(self) -> tf.Variable:
+        """Micro-batches presented since creation, skipped ones included (int64)."""
+        return self._micro_batches
+
+    @property
+    def nonfinite(self) -> str:
+        """What happens to a micro-batch with a non-finite gradient."""
+        return self._nonfinite
+
+    @property
     def batch_normalization_layers(self) -> tuple:
         """The `gradaccum.BatchNormalization` layers this accumulator drives."""
         return self._batch_norms.value
@@ -361,7 +390,7 @@ class GradientAccumulator(tf.Module):
 
         Returns:
             A boolean tensor: whether the micro-batch was accumulated (False: skipped
-            for a non-finite gradient under loss scaling).
+            for a non-finite gradient).
 
         Raises:
             ValueError: a gradients list of the wrong length, a gradient whose shape
@@ -403,12 +432,15 @@ class GradientAccumulator(tf.Module):
             if grad is not None:
                 self._received.value[i] = True
         if loss_scale_optimizer is None:
-            self._add_micro_batch(gradients, weight, weight if scale else None)
-            return tf.constant(True)
+
+            def add():
+                self._add_micro_batch(gradients, weight, weight if scale else None)
+
+            return self._screened(gradients, add)
         optimizer = self._check_loss_scale_optimizer(loss_scale_optimizer)
         self._skips_possible.value[0] = True
 
-        def add():
+        def add_unscaled():
             # One multiply per gradient both unscales and weighs.
             factor = tf.math.reciprocal(tf.cast(optimizer.dynamic_scale, weight.dtype))
             self._add_micro_batch(gradients, weight, weight * factor if scale else factor)
@@ -416,14 +448,94 @@ class GradientAccumulator(tf.Module):
             return tf.constant(True)
 
         def skip():
-            self._window_skipped.assign_add(1)
-            self._skipped.assign_add(1)
-            for layer in self.batch_normalization_layers:
-                layer._discard_micro_batch()
+            # Under loss scaling an overflow is expected now and then: always skipped.
+            self._count_skip()
             kc.back_off_loss_scale(optimizer)
             return tf.constant(False)
 
-        return tf.cond(_all_finite(gradients), add, skip)
+        self._micro_batches.assign_add(1)
+        return tf.cond(_all_finite(gradients), add_unscaled, skip)
+
+    def _screened(self, gradients, add, windowed: bool = True):
+        """Runs `add()` for a micro-batch as `nonfinite` says; returns whether it ran.
+        A skipped micro-batch counts towards the open window's length if `windowed`."""
+        self._micro_batches.assign_add(1)
+        if self._nonfinite == "apply":
+            add()
+            return tf.constant(True)
+        finite = _all_finite(gradients)
+        if self._nonfinite == "raise" and tf.executing_eagerly():
+            if not bool(finite):
+                raise tf.errors.InvalidArgumentError(
+                    None,
+                    None,
+                    "gradaccum: a gradient is not finite (inf or nan) in micro-batch "
+                    f"{int(self._micro_batches)} (counted from 1; the micro-batch "
+                    f"{int(self.window_length()) + 1} of its window): nonfinite=raise "
+                    "stops here. Check the data and the loss of that micro-batch, or "
+                    "use nonfinite=skip to drop it.",
+                )
+        elif self._nonfinite == "raise":
+            check = tf.debugging.Assert(
+                finite,
+                [
+                    "gradaccum: a gradient is not finite (inf or nan) in micro-batch",
+                    self._micro_batches,
+                    "(counted from 1; the micro-batch",
+                    self.window_length() + 1,
+                    "of its window): nonfinite=raise stops here. Check the data and the "
+                    "loss of that micro-batch, or use nonfinite=skip to drop it.",
+                ],
+                summarize=1,
+            )
+            # Nothing of this micro-batch (nor the update it would close) runs first.
+            with tf.control_dependencies([check]):
+                finite = tf.identity(finite)
+
+        def accept():
+            add()
+            return tf.constant(True)
+
+        def skip():
+            self._count_skip(windowed)
+            return tf.constant(False)
+
+        accepted = tf.cond(finite, accept, skip)
+        if tf.executing_eagerly() and not bool(accepted):
+            self._warn_skipped()
+        return accepted
+
+    def _count_skip(self, windowed: bool = True) -> None:
+        if windowed:
+            self._window_skipped.assign_add(1)
+        self._skipped.assign_add(1)
+        for layer in self.batch_normalization_layers:
+            layer._discard_micro_batch()
+
+    def _warn_skipped(self) -> None:
+        if self._warned_skip:
+            return
+        self._warned_skip = True
+        warnings.warn(
+            "gradaccum skipped a micro-batch whose gradient is not finite (inf or "
+            "nan): it is dropped with its weight and counted in `skipped` "
+            "(nonfinite='skip'; this warning is shown once). Pass nonfinite='raise' to "
+            "stop at it, or nonfinite='apply' for Keras's behaviour.",
+            stacklevel=4,
+        )
+
+    def _apply_single(self, optimizer, gradients):
+        """A window of one micro-batch on one device: G = g, applied without going
+        through the accumulators, screened as `nonfinite` says."""
+        self._prepare_optimizer(optimizer)
+        gradients = self._check_gradients(gradients)
+
+        def apply():
+            optimizer.apply_gradients(
+                [(g, v) for g, v in zip(gradients, self.target_variables) if g is not None]
+            )
+
+        return self._screened(gradients, apply, windowed=False)
 
     def _add_micro_batch(self, gradients, weight, factor) -> None:
         """Adds `factor * g` per variable (`g` when `factor` is None) and counts the

@@ -22,6 +22,7 @@ import tensorflow as tf
 from gradaccum import _keras_compat as kc
 from gradaccum._validation import check_choice, check_steps
 from gradaccum.accumulator import (
+    NONFINITE,
     REDUCTIONS,
     GradientAccumulator,
     _Untracked,
@@ -83,7 +84,8 @@ class _SkippedMetric(keras.metrics.Metric):
 class _FitState(tf.Module):
     """Accumulation state of fit: the accumulator and the epoch position."""
 
-    def __init__(self, variables, steps, reduction, accumulator_dtype, terms=0, layers=None):
+    def __init__(self, variables, steps, reduction, accumulator_dtype, terms=0, layers=None,
+                 nonfinite="skip"):
         super().__init__(name="gradaccum_fit_state")
         self.accumulator = GradientAccumulator(
             variables,
@@ -91,6 +93,7 @@ class _FitState(tf.Module):
             reduction=reduction,
             accumulator_dtype=accumulator_dtype,
             layers=layers,
+            nonfinite=nonfinite,
         )
         # Replica-local (every replica counts the same micro-batches): updating
         # them inside a replica's step needs no communication.
@@ -120,6 +123,7 @@ class _FitState(tf.Module):
             total_weight=acc.total_weight,
             window_skipped=acc._window_skipped,
             skipped=acc.skipped,
+            micro_batches=acc.micro_batches,
             epoch_step=self.epoch_step,
             resume_skip=self.resume_skip,
         )
@@ -154,7 +158,10 @@ class _EpochHook(keras.callbacks.Callback):
         trainer._fit_state.epoch_step.assign(0)
         if logs is not None and "updates" in logs:
             logs["updates"] = float(trainer.optimizer.iterations.numpy())
+        if logs is not None and "skipped" in logs:
+            logs["skipped"] = float(trainer._fit_state.accumulator.skipped.numpy())
         trainer._warn_if_inexact()
+        trainer._warn_if_skipped()
 
     def on_train_end(self, logs=None):
         self._trainer.value._end_of_data()
@@ -194,6 +201,7 @@ class AccumulatingModel(keras.Model):
         reduction: str = "mean",
         accumulator_dtype="float32",
         convert_batch_norm: bool = False,
+        nonfinite: str = "skip",
         **kwargs,
     ):
         if not isinstance(model, keras.Model):
@@ -224,6 +232,8 @@ class AccumulatingModel(keras.Model):
         self.partial = check_choice("partial", partial, PARTIALS)
         self.reduction = check_choice("reduction", reduction, REDUCTIONS)
         self.accumulator_dtype = check_accumulator_dtype(accumulator_dtype).name
+        self.nonfinite = check_choice("nonfinite", nonfinite, NONFINITE)
+        self._skip_warned = False
         self._normalizers = NormalizerLog()
         self._updates = _UpdatesMetric(self)
         self._skips = _SkippedMetric(self)
@@ -274,8 +284,10 @@ class AccumulatingModel(keras.Model):
     @property
     def metrics(self):
         metrics = super().metrics
-        if self.optimizer is None or not kc.is_loss_scale_optimizer(self.optimizer):
-            # Only loss scaling skips micro-batches: no counter to show otherwise.
+        if self.nonfinite == "apply" and not (
+            self.optimizer is not None and kc.is_loss_scale_optimizer(self.optimizer)
+        ):
+            # Nothing can be skipped: no counter to show.
             metrics = [m for m in metrics if m is not self._skips]
         return metrics
 
@@ -298,6 +310,7 @@ class AccumulatingModel(keras.Model):
             "accumulator_dtype": self.accumulator_dtype,
             # The saved model holds the converted layers already.
             "convert_batch_norm": False,
+            "nonfinite": self.nonfinite,
             "name": self.name,
         }
 
@@ -413,6 +426,7 @@ class AccumulatingModel(keras.Model):
                 self.accumulator_dtype,
                 terms=terms,
                 layers=self.model,
+                nonfinite=self.nonfinite,
             )
 
     def _skip_micro_batch(self):
@@ -458,9 +472,7 @@ class AccumulatingModel(keras.Model):
         acc = state.accumulator
         if self.steps == 1 and not (distributed or loss_scaled or acc.batch_normalization_layers):
             # A window of one micro-batch: G = w g / w = g, so skip the copy.
-            self.optimizer.apply_gradients(
-                [(g, v) for g, v in zip(gradients, variables) if g is not None]
-            )
+            acc._apply_single(self.optimizer, gradients)
         else:
             acc.accumulate_weighted(
                 gradients, weight,
@@ -544,6 +556,24 @@ class AccumulatingModel(keras.Model):
             stacklevel=2,
         )
 
+    def _warn_if_skipped(self):
+        state = self._fit_state
+        if state is None or self._skip_warned or self.nonfinite != "skip":
+            return
+        if kc.is_loss_scale_optimizer(self.optimizer):
+            return  # loss scaling skips overflowing micro-batches by design
+        skipped = int(state.accumulator.skipped.numpy())
+        if skipped:
+            self._skip_warned = True
+            warnings.warn(
+                f"gradaccum skipped {skipped} micro-batch(es) whose gradient is not "
+                "finite (inf or nan): each is dropped with its weight and counted in "
+                "the logs' `skipped` (nonfinite='skip'; this warning is shown once). "
+                "Pass nonfinite='raise' to stop at the first, or nonfinite='apply' for "
+                "Keras's behaviour.",
+                stacklevel=2,
+            )
+
     def _warn_no_compiled_loss(self):
         warnings.warn(
             "weighting='exact' found no compiled loss (only `add_loss` terms): "
@@ -561,6 +591,7 @@ def wrap(
     reduction: str = "mean",
     accumulator_dtype="float32",
     convert_batch_norm: bool = False,
+    nonfinite: str = "skip",
 ) -> AccumulatingModel:
     """Wraps a Keras model so that `fit()` trains it with gradient accumulation.
 
@@ -591,6 +622,10 @@ def wrap(
             once per update from the window's statistics. `trainer.model` is that
             copy, and `model` is left untouched. Without it, layers that already are
             `gradaccum.BatchNormalization` are driven by the accumulator anyway.
+        nonfinite: a micro-batch whose gradient holds an inf or a nan is
+            `"skip"`ped (default: dropped with its weight, counted in the logs'
+            `skipped`, a warning once), makes fit `"raise"` an error naming it, or
+            is `"apply"`ed as Keras would.
 
     Mixed precision: under the `mixed_float16` policy Keras wraps the optimizer in a
     `LossScaleOptimizer`; a micro-batch whose gradient is not finite is then skipped
@@ -602,8 +637,8 @@ def wrap(
 
     Raises:
         ValueError: if `model` is not a Keras model, or on an invalid `steps`,
-            `weighting`, `partial`, `reduction`, `accumulator_dtype` or
-            `convert_batch_norm`, or (with `convert_batch_norm`) a subclassed model
+            `weighting`, `partial`, `reduction`, `accumulator_dtype`,
+            `convert_batch_norm` or `nonfinite`, or (with `convert_batch_norm`) a subclassed model
             or a BatchNormalization option that cannot be honoured.
 
     Example:
@@ -627,4 +662,5 @@ def wrap(
         reduction=reduction,
         accumulator_dtype=accumulator_dtype,
         convert_batch_norm=convert_batch_norm,
+        nonfinite=nonfinite,
     )
