@@ -38,6 +38,7 @@ CONFIGS = [
     ((6,), {}, False),
     ((5, 4), {"axis": 1}, False),
     ((5, 3), {}, True),
+    ((5, 3), {"axis": 1}, True),  # the mask weighs each channel apart
     ((4, 4, 3), {"momentum": 0.5}, False),
     ((3, 4, 4), {"axis": 1, "center": False}, False),
     ((2, 3, 3, 2), {"scale": False, "center": False}, False),
@@ -74,7 +75,7 @@ def test_one_window_records_what_one_large_batch_records(shape, config, masked):
     np.testing.assert_allclose(
         ours.moving_variance.numpy(), theirs.moving_variance.numpy(), rtol=1e-5
     )
-    assert float(ours.window_count.numpy()) == 0.0
+    np.testing.assert_array_equal(ours.window_count.numpy(), 0.0)
 
 
 def test_micro_batch_statistics_normalize_the_forward_pass():
@@ -87,7 +88,7 @@ def test_micro_batch_statistics_normalize_the_forward_pass():
     np.testing.assert_array_equal(ours(x, training=True), theirs(x, training=True))
     # Keras's layer has moved its statistics; gradaccum's waits for the update.
     assert not np.array_equal(ours.moving_mean.numpy(), theirs.moving_mean.numpy())
-    assert float(ours.micro_count.numpy()) == 6.0
+    np.testing.assert_array_equal(ours.micro_count.numpy(), 6.0)
 
 
 def bn_model(layer_cls, seed=0):
@@ -133,7 +134,7 @@ def test_dropped_partial_window_leaves_the_statistics_alone():
     reference(x[:8], training=True)  # the window of 4 + 4; the last 2 are dropped
     bn = model.layers[0]
     np.testing.assert_allclose(bn.moving_mean.numpy(), reference.moving_mean.numpy(), rtol=1e-5)
-    assert float(bn.window_count.numpy()) == 0.0
+    np.testing.assert_array_equal(bn.window_count.numpy(), 0.0)
 
 
 def test_undriven_layer_is_keras_batch_normalization():
@@ -149,7 +150,62 @@ def test_undriven_layer_is_keras_batch_normalization():
     for a, b in zip(theirs.weights, ours.layers[0].weights[:4] + ours.layers[1].weights):
         assert a.name == b.name
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6)
-    assert float(ours.layers[0].micro_count.numpy()) == 0.0
+    np.testing.assert_array_equal(ours.layers[0].micro_count.numpy(), 0.0)
+
+
+def test_steps_1_equals_keras_batch_normalization():
+    """A window of one micro-batch: the layer and the update are Keras's."""
+    rng = np.random.default_rng(2)
+    x = (rng.normal(size=(12, 5)) * 2 + 1).astype("float32")
+    y = rng.integers(0, 3, size=12)
+    sce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    ours, theirs = bn_model(gradaccum.BatchNormalization), bn_model(
+        keras.layers.BatchNormalization
+    )
+    trainer = gradaccum.wrap(ours, steps=1)
+    trainer.compile(optimizer="adam", loss=sce)
+    trainer.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    theirs.compile(optimizer="adam", loss=sce)
+    theirs.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    for a, b in zip(theirs.weights, ours.layers[0].weights[:4] + ours.layers[1].weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_after_wrap_plain_fit_sees_keras_batch_normalization():
+    """`wrap` drives the layers only inside its own step."""
+    x = window_data((5,), [8])[0]
+    y = np.zeros((8, 3), "float32")
+    model = bn_model(gradaccum.BatchNormalization)
+    trainer = gradaccum.wrap(model, steps=2)
+    trainer.compile(optimizer="sgd", loss="mse")
+    trainer.fit(x, y, batch_size=2, verbose=0)
+    bn = model.layers[0]
+    before = bn.moving_mean.numpy().copy()
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, y, batch_size=8, verbose=0)
+    reference = keras.layers.BatchNormalization(momentum=0.8)
+    reference.build((None, 5))
+    reference.moving_mean.assign(before)
+    reference(x, training=True)
+    np.testing.assert_allclose(bn.moving_mean.numpy(), reference.moving_mean.numpy(), rtol=1e-6)
+    np.testing.assert_array_equal(bn.micro_count.numpy(), 0.0)
+
+
+def test_weight_files_move_between_keras_and_gradaccum_layers(tmp_path):
+    model = bn_model(keras.layers.BatchNormalization)
+    model.layers[0].moving_variance.assign(np.arange(1, 6, dtype="float32"))
+    converted = gradaccum.convert_batch_normalization(model)
+    x = window_data((5,), [4])[0]
+    path = str(tmp_path / "converted.weights.h5")
+    converted.layers[0].moving_mean.assign(np.full(5, 0.5, "float32"))
+    converted.save_weights(path)
+    model.load_weights(path)  # gradaccum's file into Keras's layer
+    np.testing.assert_array_equal(model.predict(x, verbose=0), converted.predict(x, verbose=0))
+    model.layers[0].moving_mean.assign(np.full(5, -1.0, "float32"))
+    path = str(tmp_path / "keras.weights.h5")
+    model.save_weights(path)
+    converted.load_weights(path)  # and back
+    np.testing.assert_array_equal(converted.layers[0].moving_mean.numpy(), -1.0)
 
 
 def test_layer_round_trips_through_keras_saving(tmp_path):
@@ -259,6 +315,23 @@ def test_options_that_cannot_be_honoured_are_refused(option):
     )
     with pytest.raises(ValueError, match=f"cannot honour `{option}=True`.*layer 'bn'"):
         gradaccum.wrap(model, steps=2, convert_batch_norm=True)
+
+
+def test_layers_cloning_cannot_reach_are_refused():
+    model = keras.Sequential(
+        [
+            keras.Input((4, 3)),
+            keras.layers.TimeDistributed(keras.layers.BatchNormalization(name="inner")),
+            keras.layers.BatchNormalization(name="outer"),
+        ]
+    )
+    with pytest.raises(ValueError) as info:
+        gradaccum.convert_batch_normalization(model)
+    assert str(info.value).startswith(
+        "Every BatchNormalization layer must be reachable to convert it: layers inside a "
+        "wrapper or a custom layer (e.g. TimeDistributed) cannot be replaced. Received: "
+    )
+    assert "inside such layers" in str(info.value)
 
 
 def test_subclassed_model_cannot_be_converted():

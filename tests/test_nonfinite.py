@@ -156,3 +156,28 @@ def test_unknown_nonfinite_is_refused(make):
     assert str(info.value) == (
         "`nonfinite` must be one of 'skip', 'raise', 'apply'. Received: nonfinite='ignore'"
     )
+
+
+def test_dropped_window_of_only_skipped_micro_batches_does_not_leak():
+    """Data of unknown length, partial="drop": the last window (one micro-batch, not
+    finite) is dropped with its skip, and the next fit starts a fresh window."""
+    x, y = make_data(20)
+    bad = poisoned(x, 17)  # the fifth micro-batch of 4: alone in its window
+
+    def dataset(features):
+        def generate():
+            for start in range(0, 20, 4):
+                yield features[start:start + 4], y[start:start + 4]
+
+        spec = (tf.TensorSpec([None, 5], tf.float32), tf.TensorSpec([None], tf.int64))
+        return tf.data.Dataset.from_generator(generate, output_signature=spec)
+
+    trainer = gradaccum.wrap(make_mlp(), steps=2, partial="drop")
+    trainer.compile(optimizer="sgd", loss=SCE)
+    with pytest.warns(UserWarning, match="skipped 1 micro-batch"):
+        history = trainer.fit(dataset(bad), verbose=0)
+    acc = trainer._fit_state.accumulator
+    assert history.history["updates"] == [2.0] and history.history["skipped"] == [1.0]
+    assert int(acc.window_length()) == 0
+    history = trainer.fit(dataset(x), verbose=0)
+    assert history.history["updates"] == [4.0]  # 2 windows of 2; the fifth dropped

@@ -15,6 +15,8 @@ behaves exactly as Keras's layer.
 
 from __future__ import annotations
 
+import contextlib
+
 import keras
 import tensorflow as tf
 
@@ -68,9 +70,14 @@ class BatchNormalization(keras.layers.BatchNormalization):
     where the window variance is the biased variance of the concatenated window (as
     Keras records for one batch). A micro-batch skipped for a non-finite gradient is
     left out; a dropped partial window is forgotten. The pending window is layer state
-    (`window_count`, `window_mean`, `window_m2`), saved with the weights.
+    (`window_count`, `window_mean`, `window_m2`, per channel), saved by `wrap`'s model
+    with its accumulation state and by `tf.train.Checkpoint`; the layer's own weight
+    entries are Keras's (gamma, beta, moving statistics), so weight files move
+    between this layer and Keras's.
 
     Not driven by an accumulator (plain `fit`, inference), it is Keras's layer.
+    `wrap` drives it only inside its own training step; a `GradientAccumulator`
+    created with `layers=` drives it from then on.
 
     Raises:
         ValueError: on `renorm=True` or `synchronized=True`, which cannot be honoured
@@ -87,7 +94,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
     >>> x = np.arange(24, dtype="float32").reshape(8, 3)
     >>> _ = trainer.fit(x, np.ones((8, 1)), batch_size=2, verbose=0)
     >>> bn = model.layers[1]
-    >>> float(bn.window_count.numpy())  # every window applied: nothing pending
+    >>> float(bn.window_count.numpy().max())  # every window applied: nothing pending
     0.0
     """
 
@@ -96,7 +103,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
         _check_options(
             {"renorm": self.renorm, "synchronized": self.synchronized}, self.name
         )
-        # Set by the accumulator that drives the layer (read when a step is traced).
+        # Whether an accumulator drives the layer: read when a step is traced.
         self._accumulated = False
 
     def build(self, input_shape):
@@ -114,11 +121,12 @@ class BatchNormalization(keras.layers.BatchNormalization):
             )
 
         # The micro-batch being computed (one or more forward passes), and the
-        # accepted micro-batches of the open window.
-        self.micro_count = state("micro_count", ())
+        # accepted micro-batches of the open window. Counts are per channel: a mask
+        # broadcast along another axis than the channels' weighs channels apart.
+        self.micro_count = state("micro_count", channels)
         self.micro_mean = state("micro_mean", channels)
         self.micro_m2 = state("micro_m2", channels)
-        self.window_count = state("window_count", ())
+        self.window_count = state("window_count", channels)
         self.window_mean = state("window_mean", channels)
         self.window_m2 = state("window_m2", channels)
 
@@ -144,12 +152,14 @@ class BatchNormalization(keras.layers.BatchNormalization):
 
     def _count(self, inputs, mask):
         """Elements per channel that the micro-batch's moments average over."""
-        channels = tf.cast(tf.shape(inputs)[self.axis], tf.float32)
         if mask is None:
-            return tf.cast(tf.size(inputs), tf.float32) / channels
+            channels = tf.shape(inputs)[self.axis]
+            per_channel = tf.cast(tf.size(inputs), tf.float32) / tf.cast(channels, tf.float32)
+            return tf.fill([channels], per_channel)
+        # Keras's layer broadcasts the mask along the last axis.
         weights = tf.broadcast_to(tf.expand_dims(tf.cast(mask, tf.float32), -1),
                                   tf.shape(inputs))
-        return tf.reduce_sum(weights) / channels
+        return tf.reduce_sum(weights, axis=self._reduction_axes)
 
     def _record(self, count, mean, variance):
         mean = tf.cast(tf.reshape(mean, [-1]), tf.float32)
@@ -183,6 +193,35 @@ class BatchNormalization(keras.layers.BatchNormalization):
         for variable in self._micro():
             variable.assign(tf.zeros_like(variable))
 
+    # Saving: the layer's own file entries are Keras's ------------------------------
+
+    def _state_variables(self):
+        return (*self._micro(), *self._window())
+
+    def _keras_variables(self):
+        state = {id(v) for v in self._state_variables()}
+        every = self._trainable_variables + self._non_trainable_variables
+        return [v for v in every if id(v) not in state]
+
+    def save_own_variables(self, store):
+        # Gamma, beta and the moving statistics, in Keras's order, so that weight
+        # files move between this layer and Keras's. The pending window is saved
+        # by `wrap`'s model (and by `tf.train.Checkpoint` in custom loops).
+        for i, variable in enumerate(self._keras_variables()):
+            store[f"{i}"] = variable
+
+    def load_own_variables(self, store):
+        variables = self._keras_variables()
+        if len(store.keys()) != len(variables):
+            raise ValueError(
+                f"Layer {self.name!r} expects {len(variables)} variables (those of "
+                "keras.layers.BatchNormalization with the same options). Received: "
+                f"{len(store.keys())} variables."
+            )
+        for i, variable in enumerate(variables):
+            variable.assign(store[f"{i}"])
+        self._reset_window()
+
     def _commit_window(self):
         """The optimizer updated: move the moving statistics once, then reset."""
         count, mean, m2 = (v.value for v in self._window())
@@ -198,6 +237,20 @@ class BatchNormalization(keras.layers.BatchNormalization):
     def _reset_window(self):
         for variable in (*self._window(), *self._micro()):
             variable.assign(tf.zeros_like(variable))
+
+
+@contextlib.contextmanager
+def driving(layers):
+    """Within the block (a training step being traced), `layers` record window
+    statistics."""
+    previous = [layer._accumulated for layer in layers]
+    for layer in layers:
+        layer._accumulated = True
+    try:
+        yield
+    finally:
+        for layer, value in zip(layers, previous):
+            layer._accumulated = value
 
 
 def batch_normalization_layers(layers) -> list[BatchNormalization]:
@@ -241,8 +294,9 @@ def convert_batch_normalization(model):
         The converted `keras.Model`.
 
     Raises:
-        ValueError: for a subclassed model, or a BatchNormalization layer with an
-            option gradaccum cannot honour (`renorm`, `synchronized`).
+        ValueError: for a subclassed model, a BatchNormalization layer with an
+            option gradaccum cannot honour (`renorm`, `synchronized`), or one inside
+            a wrapper or custom layer, which cloning cannot reach.
 
     Example:
 
@@ -277,6 +331,16 @@ def convert_batch_normalization(model):
         return new
 
     converted = keras.models.clone_model(model, clone_function=clone, recursive=True)
+    left = [
+        layer.name for layer in flatten_layers(converted) if _plain_batch_normalization(layer)
+    ]
+    if left:
+        raise ValueError(
+            "Every BatchNormalization layer must be reachable to convert it: layers "
+            "inside a wrapper or a custom layer (e.g. TimeDistributed) cannot be "
+            f"replaced. Received: {', '.join(repr(n) for n in left)} inside such "
+            "layers. Build those with `gradaccum.BatchNormalization` instead."
+        )
     for old, new in pairs:
         if isinstance(new, BatchNormalization) and _plain_batch_normalization(old):
             # Gamma, beta (when present) and the moving statistics; the window

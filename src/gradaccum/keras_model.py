@@ -20,6 +20,7 @@ import keras
 import tensorflow as tf
 
 from gradaccum import _keras_compat as kc
+from gradaccum import batch_norm
 from gradaccum._validation import check_choice, check_steps
 from gradaccum.accumulator import (
     NONFINITE,
@@ -127,6 +128,14 @@ class _FitState(tf.Module):
             epoch_step=self.epoch_step,
             resume_skip=self.resume_skip,
         )
+        for i, layer in enumerate(acc.batch_normalization_layers):
+            named.update(
+                {
+                    f"batch_norm_{i}_window_count": layer.window_count,
+                    f"batch_norm_{i}_window_mean": layer.window_mean,
+                    f"batch_norm_{i}_window_m2": layer.window_m2,
+                }
+            )
         return named
 
 
@@ -173,7 +182,8 @@ class AccumulatingModel(keras.Model):
 
     Created by `gradaccum.wrap`; see there for the arguments. `trainer.model` is the
     wrapped model: it holds the trained weights, and `trainer.model.save()` writes a
-    plain Keras model.
+    plain Keras model (one that needs gradaccum to load if it holds
+    `gradaccum.BatchNormalization` layers).
 
     Raises:
         ValueError: as `gradaccum.wrap`.
@@ -377,6 +387,7 @@ class AccumulatingModel(keras.Model):
     def test_step(self, data):
         logs = super().test_step(data)
         logs.pop(self._updates.name, None)
+        logs.pop(self._skips.name, None)
         return logs
 
     # Saving: the accumulation state travels with the weights ---------------------
@@ -428,6 +439,10 @@ class AccumulatingModel(keras.Model):
                 layers=self.model,
                 nonfinite=self.nonfinite,
             )
+        # The layers record only inside this model's training step (see
+        # `_micro_batch_step`): elsewhere they stay Keras's layer.
+        for layer in self._fit_state.accumulator.batch_normalization_layers:
+            layer._accumulated = False
 
     def _skip_micro_batch(self):
         state = self._fit_state
@@ -438,15 +453,24 @@ class AccumulatingModel(keras.Model):
     def _micro_batch_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         state = self._fit_state
-        variables = list(state.accumulator.target_variables)
+        acc = state.accumulator
+        variables = list(acc.target_variables)
         self._normalizers.take()
+        distributed = tf.distribute.has_strategy()
+        loss_scaled = kc.is_loss_scale_optimizer(self.optimizer)
+        # A window of one micro-batch on one device: G = w g / w = g, applied
+        # without the accumulators' copy.
+        single = self.steps == 1 and not (
+            distributed or loss_scaled or acc.batch_normalization_layers
+        )
         # With reduction "mean", differentiate w_i * L_i: the weight is applied once to
         # the loss rather than to every gradient. Under tf.distribute, L_i is the
         # replica's own loss (Keras divides it by the replica count: undone here),
-        # so that the reduced sums give the global window's gradient exactly.
-        distributed = tf.distribute.has_strategy()
-        scale_loss = self.reduction == "mean" and (self.steps > 1 or distributed)
-        with tf.GradientTape() as tape:
+        # so that the reduced sums give the global window's gradient exactly. Under
+        # loss scaling the weight is applied with the unscaling instead, so that the
+        # scaled loss is what Keras would scale (no extra overflows).
+        weigh_loss = self.reduction == "mean" and not (single or loss_scaled)
+        with tf.GradientTape() as tape, batch_norm.driving(acc.batch_normalization_layers):
             if self._call_has_training_arg:
                 y_pred = self(x, training=True)
             else:
@@ -456,7 +480,7 @@ class AccumulatingModel(keras.Model):
             )
             weight = tf.stop_gradient(self._micro_batch_weight(x, y, sample_weight))
             objective = loss
-            if scale_loss:
+            if weigh_loss:
                 objective = kc.unscale_loss_for_distribution(loss) * tf.cast(
                     weight, loss.dtype
                 )
@@ -468,16 +492,14 @@ class AccumulatingModel(keras.Model):
             kc.unscale_loss_for_distribution(loss), sample_weight=weight
         )
         state.epoch_step.assign_add(1)
-        loss_scaled = kc.is_loss_scale_optimizer(self.optimizer)
-        acc = state.accumulator
-        if self.steps == 1 and not (distributed or loss_scaled or acc.batch_normalization_layers):
-            # A window of one micro-batch: G = w g / w = g, so skip the copy.
+        if single:
             acc._apply_single(self.optimizer, gradients)
+        elif loss_scaled:
+            # Unscaled and weighed in one multiply by the accumulator.
+            acc.accumulate(gradients, weight, loss_scale_optimizer=self.optimizer)
+            self._close_window_if_due()
         else:
-            acc.accumulate_weighted(
-                gradients, weight,
-                loss_scale_optimizer=self.optimizer if loss_scaled else None,
-            )
+            acc.accumulate_weighted(gradients, weight)
             self._close_window_if_due()
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
@@ -536,7 +558,8 @@ class AccumulatingModel(keras.Model):
                     return acc.apply(self.optimizer)
             else:
                 def close():
-                    return tf.cond(acc.micro_step > 0, self._drop_window,
+                    # A window of only skipped micro-batches is closed too.
+                    return tf.cond(acc.window_length() > 0, self._drop_window,
                                    lambda: tf.constant(False))
             self._end_of_data_function = close if self.run_eagerly else tf.function(close)
         with self.distribute_strategy.scope():
