@@ -1,0 +1,65 @@
+"""Fault injection: a job killed with SIGKILL in the middle of a window resumes
+exactly (tests/fault_job.py runs in subprocesses, bounded in time)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+JOB = pathlib.Path(__file__).with_name("fault_job.py")
+TIMEOUT = 240
+
+
+def run_job(mode, directory, out, kill_at=0):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
+    command = [sys.executable, str(JOB), mode, "--dir", str(directory), "--out", str(out)]
+    if kill_at:
+        command += ["--kill-at", str(kill_at)]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def weights(path):
+    with np.load(path) as saved:
+        return [saved[k] for k in sorted(saved.files, key=lambda k: int(k.split("_")[1]))]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The final weights of an uninterrupted run, per mode (computed once)."""
+    cache = {}
+
+    def get(mode):
+        if mode not in cache:
+            folder = tmp_path_factory.mktemp(f"whole_{mode}")
+            whole = run_job(mode, folder / "backup", folder / "whole.npz")
+            assert whole.returncode == 0, whole.stderr[-3000:]
+            cache[mode] = weights(folder / "whole.npz")
+        return cache[mode]
+
+    return get
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs POSIX signals")
+@pytest.mark.parametrize("mode", ["fit", "loop"])
+# Micro-batch 7 is the second of epoch 2's first (full) window; 9 the first of its
+# second (partial) window.
+@pytest.mark.parametrize("kill_at", [7, 9])
+def test_sigkill_in_the_middle_of_a_window_then_rerun_equals_an_uninterrupted_run(
+    tmp_path, uninterrupted, mode, kill_at
+):
+    killed = run_job(mode, tmp_path / "backup", tmp_path / "never.npz", kill_at=kill_at)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert not (tmp_path / "never.npz").exists()
+
+    resumed = run_job(mode, tmp_path / "backup", tmp_path / "resumed.npz")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    expected, got = uninterrupted(mode), weights(tmp_path / "resumed.npz")
+    assert len(expected) == len(got) == 4
+    for a, b in zip(got, expected):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
