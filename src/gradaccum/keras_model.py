@@ -146,11 +146,16 @@ class _EpochHook(keras.callbacks.Callback):
         super().__init__()
         self._trainer = _Untracked(trainer)
         self._first_epoch = True
+        self._calls = 0
 
     def on_train_begin(self, logs=None):
         steps = (self.params or {}).get("steps")
         self._trainer.value._fit_state.epoch_length.assign(steps if steps else -1)
         self._first_epoch = True
+        self._calls = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._calls += 1
 
     def on_epoch_begin(self, epoch, logs=None):
         state = self._trainer.value._fit_state
@@ -174,6 +179,12 @@ class _EpochHook(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._trainer.value._end_of_data()
+        if self._calls == 0 and (self.params or {}).get("epochs", 1) > 0:
+            raise ValueError(
+                "`fit` must receive at least one micro-batch. Received: data that "
+                "yielded no batch (an empty dataset or array), so nothing was "
+                "accumulated or applied."
+            )
 
 
 @keras.saving.register_keras_serializable(package="gradaccum")
@@ -416,8 +427,9 @@ class AccumulatingModel(keras.Model):
         if not self.model.built:
             raise ValueError(
                 "The wrapped model must be built before its accumulation state is "
-                f"created. Received: model {self.model.name!r} that is not built. "
-                "Call fit() (which builds it) or call the model on a batch first."
+                f"created. Received: model {self.model.name!r} that is not built "
+                "(fit builds it from its first batch: is the data empty?). Give the "
+                "model an Input, or call it on a batch first."
             )
         if not self.trainable_variables:
             raise ValueError(
