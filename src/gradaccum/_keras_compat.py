@@ -35,6 +35,10 @@ def flatten_layers(layer) -> list:
     return layer._flatten_layers(include_self=True, recursive=True)
 
 
+def is_optimizer(optimizer) -> bool:
+    return isinstance(optimizer, keras.optimizers.Optimizer)
+
+
 def is_loss_scale_optimizer(optimizer) -> bool:
     return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
 
@@ -113,6 +117,7 @@ __all__ = [
     "flatten_layers",
     "grow_loss_scale",
     "is_loss_scale_optimizer",
+    "is_optimizer",
     "Functional",
     "LossFunctionWrapper",
     "count_compiled_losses",

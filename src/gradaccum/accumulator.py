@@ -71,7 +71,13 @@ def check_accumulator_dtype(accumulator_dtype) -> tf.DType:
 
 
 def check_optimizer(optimizer) -> None:
-    """Refuses an optimizer that would accumulate gradients a second time."""
+    """Refuses what is not a Keras optimizer, or one that would accumulate gradients
+    a second time."""
+    if not kc.is_optimizer(optimizer):
+        raise ValueError(
+            "`optimizer` must be a keras.optimizers.Optimizer. "
+            f"Received: optimizer of type {type(optimizer).__name__}"
+        )
     if kc.is_loss_scale_optimizer(optimizer):
         optimizer = optimizer.inner_optimizer
     if getattr(optimizer, "gradient_accumulation_steps", None):

@@ -58,6 +58,11 @@ class CountingCrossDeviceOps(tf.distribute.CrossDeviceOps):
     """
 
     def __init__(self, inner=None):
+        if inner is not None and not isinstance(inner, tf.distribute.CrossDeviceOps):
+            raise ValueError(
+                "`inner` must be a tf.distribute.CrossDeviceOps. "
+                f"Received: inner of type {type(inner).__name__}"
+            )
         super().__init__()
         self._inner = inner if inner is not None else tf.distribute.ReductionToOneDevice()
         with tf.init_scope():

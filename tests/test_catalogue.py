@@ -1,0 +1,255 @@
+"""Every row of docs/bad-input.md: the input is refused with exactly that message."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import gradaccum
+from conftest import make_data, make_mlp
+
+DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "bad-input.md"
+SCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def two_replicas():
+    if len(tf.config.list_logical_devices("CPU")) < 2:
+        pytest.skip("needs two logical CPU devices (set up by the root conftest)")
+    # No collective ops: several such strategies may live in one process.
+    return tf.distribute.MirroredStrategy(
+        ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice()
+    )
+
+
+def accumulator(**kwargs):
+    return gradaccum.GradientAccumulator([tf.Variable([1.0, 2.0], name="w")], **kwargs)
+
+
+def trainer(**kwargs):
+    model = make_mlp()
+    return gradaccum.wrap(model, steps=kwargs.pop("steps", 2), **kwargs)
+
+
+def fit(trainer_, data=None, loss=SCE, optimizer="sgd"):
+    trainer_.compile(optimizer=optimizer, loss=loss)
+    x, y = make_data(8)
+    if data is None:
+        return trainer_.fit(x, y, batch_size=4, verbose=0)
+    return trainer_.fit(data, verbose=0)
+
+
+def empty_data():
+    x, y = np.zeros((0, 5), "float32"), np.zeros((0,), "int64")
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
+
+
+def under(strategy, build):
+    with strategy.scope():
+        return build()
+
+
+def built_outside_then_in(strategy, make):
+    model = make_mlp()
+    with strategy.scope():
+        make(model)
+
+
+def accumulate_in_cross_replica_context():
+    strategy = two_replicas()
+    with strategy.scope():
+        model = make_mlp()
+        acc = gradaccum.GradientAccumulator(model.trainable_variables)
+        acc.accumulate([tf.zeros_like(v) for v in model.trainable_variables])
+
+
+def loss_scaling_on_two_replicas():
+    strategy = two_replicas()
+    with strategy.scope():
+        v = tf.Variable([1.0])
+        opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
+        acc = gradaccum.GradientAccumulator([v])
+
+    def replica():
+        acc.accumulate([tf.constant([1.0])], loss_scale_optimizer=opt)
+
+    strategy.run(tf.function(replica, autograph=False))
+
+
+def batch_norm_on_two_replicas():
+    strategy = two_replicas()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), gradaccum.BatchNormalization()])
+        gradaccum.GradientAccumulator(model.trainable_variables, layers=model)
+
+
+def compile_loss_scaling_on_two_replicas():
+    strategy = two_replicas()
+    with strategy.scope():
+        wrapped = gradaccum.wrap(make_mlp(), steps=2)
+        wrapped.compile(
+            optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()), loss="mse"
+        )
+
+
+def nonfinite_raise():
+    acc = accumulator(steps=2, nonfinite="raise")
+    acc.accumulate([tf.constant([1.0, 1.0])])
+    acc.accumulate([tf.constant([np.inf, 1.0])])
+
+
+class SummingLoss(keras.losses.Loss):
+    def call(self, y_true, y_pred):
+        return keras.ops.sum(keras.ops.square(y_true - y_pred), axis=-1)
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        return keras.ops.mean(self.call(y_true, y_pred))
+
+
+class Frozen(keras.Model):
+    def __init__(self):
+        super().__init__(name="frozen")
+        self.dense = keras.layers.Dense(3, trainable=False)
+
+    def call(self, x):
+        return self.dense(x)
+
+
+def built(model):
+    model(np.zeros((1, 5), "float32"))
+    return model
+
+
+class Subclassed(keras.Model):
+    def call(self, x):
+        return x
+
+
+def bn_model(**options):
+    return keras.Sequential(
+        [keras.Input((4, 3)), keras.layers.BatchNormalization(name="bn", **options)]
+    )
+
+
+def load_four_into_six(tmp_path):
+    plain = keras.Sequential([keras.Input((3,)), gradaccum.BatchNormalization(name="bn")])
+    layer = plain.layers[0]
+    layer.load_own_variables({str(i): np.zeros(3) for i in range(6)})
+
+
+CASES = {
+    # GradientAccumulator(...)
+    "accumulator-variables-empty": lambda: gradaccum.GradientAccumulator([]),
+    "accumulator-variables-element": lambda: gradaccum.GradientAccumulator([1.0]),
+    "accumulator-steps": lambda: accumulator(steps=0),
+    "accumulator-reduction": lambda: accumulator(reduction="avg"),
+    "accumulator-dtype": lambda: accumulator(accumulator_dtype="int32"),
+    "accumulator-layers": lambda: accumulator(layers=["bn"]),
+    "accumulator-nonfinite": lambda: accumulator(nonfinite="ignore"),
+    "accumulator-name": lambda: accumulator(name="bad name!"),
+    "accumulator-outside-scope": lambda: built_outside_then_in(
+        two_replicas(), lambda m: gradaccum.GradientAccumulator(m.trainable_variables)
+    ),
+    "accumulator-batch-norm-replicas": batch_norm_on_two_replicas,
+    # accumulate / step / apply
+    "accumulate-gradients-length": lambda: accumulator().accumulate([]),
+    "accumulate-gradient-shape": lambda: accumulator().accumulate([tf.zeros([3])]),
+    "accumulate-weight-negative": lambda: accumulator().accumulate([tf.zeros([2])], -1),
+    "accumulate-weight-nan": lambda: accumulator().accumulate([tf.zeros([2])], float("nan")),
+    "accumulate-weight-shape": lambda: accumulator().accumulate([tf.zeros([2])], [1, 2]),
+    "accumulate-loss-scale-optimizer": lambda: accumulator().accumulate(
+        [tf.zeros([2])], loss_scale_optimizer=keras.optimizers.Adam()
+    ),
+    "accumulate-loss-scale-replicas": loss_scaling_on_two_replicas,
+    "accumulate-cross-replica": accumulate_in_cross_replica_context,
+    "accumulate-nonfinite-raise": nonfinite_raise,
+    "step-without-steps": lambda: accumulator().step(keras.optimizers.SGD(), [tf.zeros([2])]),
+    "step-optimizer": lambda: accumulator(steps=1).step("sgd", [tf.zeros([2])]),
+    "step-optimizer-accumulates": lambda: accumulator(steps=1).step(
+        keras.optimizers.SGD(gradient_accumulation_steps=2), [tf.zeros([2])]
+    ),
+    # wrap(...) / AccumulatingModel(...)
+    "wrap-model": lambda: gradaccum.wrap("model", steps=2),
+    "wrap-wrapped": lambda: gradaccum.wrap(trainer(), steps=2),
+    "wrap-steps": lambda: trainer(steps=2.5),
+    "wrap-weighting": lambda: trainer(weighting="tokens"),
+    "wrap-partial": lambda: trainer(partial="keep"),
+    "wrap-reduction": lambda: trainer(reduction="avg"),
+    "wrap-accumulator-dtype": lambda: trainer(accumulator_dtype="int32"),
+    "wrap-convert-batch-norm": lambda: trainer(convert_batch_norm="yes"),
+    "wrap-nonfinite": lambda: trainer(nonfinite="ignore"),
+    "wrap-outside-scope": lambda: built_outside_then_in(
+        two_replicas(), lambda m: gradaccum.wrap(m, steps=2)
+    ),
+    # compile / fit
+    "compile-optimizer-accumulates": lambda: trainer().compile(
+        optimizer=keras.optimizers.SGD(gradient_accumulation_steps=2), loss=SCE
+    ),
+    "compile-loss-scaling-replicas": compile_loss_scaling_on_two_replicas,
+    "fit-empty-data": lambda: fit(trainer(), data=empty_data()),
+    "fit-unbuilt-empty-data": lambda: fit(
+        gradaccum.wrap(keras.Sequential([keras.layers.Dense(3)], name="net"), steps=2),
+        data=empty_data(),
+    ),
+    "fit-no-trainable-variables": lambda: fit(gradaccum.wrap(built(Frozen()), steps=2),
+                                              loss="mse"),
+    "fit-exact-sum-loss": lambda: fit(
+        trainer(), loss=keras.losses.MeanSquaredError(reduction="sum")
+    ),
+    "fit-exact-custom-call-loss": lambda: fit(trainer(), loss=SummingLoss(name="summing")),
+    "fit-weighting-not-a-number": lambda: fit(
+        trainer(weighting=lambda x, y, sw: tf.constant("many"))
+    ),
+    "fit-weighting-not-a-scalar": lambda: fit(
+        trainer(weighting=lambda x, y, sw: tf.ones([2]))
+    ),
+    # BatchNormalization / convert_batch_normalization
+    "batch-norm-renorm": lambda: gradaccum.BatchNormalization(renorm=True, name="bn"),
+    "batch-norm-synchronized": lambda: gradaccum.BatchNormalization(
+        synchronized=True, name="bn"
+    ),
+    "batch-norm-weights": lambda: load_four_into_six(None),
+    "convert-subclassed": lambda: gradaccum.convert_batch_normalization(Subclassed()),
+    "convert-renorm": lambda: gradaccum.convert_batch_normalization(bn_model(renorm=True)),
+    "convert-unreachable": lambda: gradaccum.convert_batch_normalization(
+        keras.Sequential(
+            [keras.Input((4, 3)),
+             keras.layers.TimeDistributed(keras.layers.BatchNormalization(name="inner"))]
+        )
+    ),
+    # CountingCrossDeviceOps(...)
+    "counting-inner": lambda: gradaccum.CountingCrossDeviceOps("nccl"),
+}
+
+
+def catalogue_rows():
+    """(id, error type, message) for each row of the catalogue's tables."""
+    rows = []
+    pattern = re.compile(r"^\| `([a-z0-9-]+)` \|.*\| (\w+) \| `` (.*) `` \|$")
+    for line in DOC.read_text().splitlines():
+        match = pattern.match(line)
+        if match:
+            rows.append(match.groups())
+    return rows
+
+
+ROWS = catalogue_rows()
+
+
+def test_every_case_has_a_row_and_every_row_a_case():
+    assert len(ROWS) == len({r[0] for r in ROWS}) >= 40
+    assert {r[0] for r in ROWS} == set(CASES)
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r[0] for r in ROWS])
+def test_catalogue_row(row):
+    case, error, message = row
+    expected = {"ValueError": ValueError, "InvalidArgumentError": tf.errors.InvalidArgumentError}
+    with pytest.raises(expected[error]) as info:
+        CASES[case]()
+    text = info.value.message if error == "InvalidArgumentError" else str(info.value)
+    assert text == message
