@@ -470,28 +470,25 @@ class GradientAccumulator(tf.Module):
             add()
             return tf.constant(True)
         finite = _all_finite(gradients)
+        # The error's words around the micro-batch's number and its place in the window.
+        words = (
+            "gradaccum: a gradient is not finite (inf or nan) in micro-batch",
+            "(counted from 1; the micro-batch",
+            "of its window): nonfinite=raise stops here. Check the data and the loss of "
+            "that micro-batch, or use nonfinite=skip to drop it.",
+        )
         if self._nonfinite == "raise" and tf.executing_eagerly():
             if not bool(finite):
+                position = int(self.window_length()) + 1
                 raise tf.errors.InvalidArgumentError(
                     None,
                     None,
-                    "gradaccum: a gradient is not finite (inf or nan) in micro-batch "
-                    f"{int(self._micro_batches)} (counted from 1; the micro-batch "
-                    f"{int(self.window_length()) + 1} of its window): nonfinite=raise "
-                    "stops here. Check the data and the loss of that micro-batch, or "
-                    "use nonfinite=skip to drop it.",
+                    f"{words[0]} {int(self._micro_batches)} {words[1]} {position} {words[2]}",
                 )
         elif self._nonfinite == "raise":
             check = tf.debugging.Assert(
                 finite,
-                [
-                    "gradaccum: a gradient is not finite (inf or nan) in micro-batch",
-                    self._micro_batches,
-                    "(counted from 1; the micro-batch",
-                    self.window_length() + 1,
-                    "of its window): nonfinite=raise stops here. Check the data and the "
-                    "loss of that micro-batch, or use nonfinite=skip to drop it.",
-                ],
+                [words[0], self._micro_batches, words[1], self.window_length() + 1, words[2]],
                 summarize=1,
             )
             # Nothing of this micro-batch (nor the update it would close) runs first.

@@ -42,12 +42,13 @@ from gradaccum.weighting import (
 PARTIALS = ("flush", "carry", "drop")
 
 
-class _UpdatesMetric(keras.metrics.Metric):
-    """Shows the optimizer's update count (`iterations`) in the logs of fit."""
+class _Readout(keras.metrics.Metric):
+    """Shows a counter of the trainer in the logs of fit (nothing to accumulate)."""
 
-    def __init__(self, trainer, name="updates"):
+    def __init__(self, trainer, name, read):
         super().__init__(name=name)
         self._trainer = _Untracked(trainer)
+        self._read = read
 
     def update_state(self, *args, **kwargs):
         pass
@@ -56,30 +57,19 @@ class _UpdatesMetric(keras.metrics.Metric):
         pass
 
     def result(self):
-        optimizer = self._trainer.value.optimizer
-        if optimizer is None:
-            return tf.constant(0.0)
-        return tf.cast(optimizer.iterations, tf.float32)
+        value = self._read(self._trainer.value)
+        return tf.constant(0.0) if value is None else tf.cast(value, tf.float32)
 
 
-class _SkippedMetric(keras.metrics.Metric):
-    """Shows the micro-batches skipped for a non-finite gradient in the logs of fit."""
+def _optimizer_updates(trainer):
+    """The optimizer's update count (`iterations`)."""
+    return None if trainer.optimizer is None else trainer.optimizer.iterations
 
-    def __init__(self, trainer, name="skipped"):
-        super().__init__(name=name)
-        self._trainer = _Untracked(trainer)
 
-    def update_state(self, *args, **kwargs):
-        pass
-
-    def reset_state(self):
-        pass
-
-    def result(self):
-        state = self._trainer.value._fit_state
-        if state is None:
-            return tf.constant(0.0)
-        return tf.cast(state.accumulator.skipped, tf.float32)
+def _skipped_micro_batches(trainer):
+    """Micro-batches skipped for a non-finite gradient."""
+    state = trainer._fit_state
+    return None if state is None else state.accumulator.skipped
 
 
 class _FitState(tf.Module):
@@ -256,8 +246,8 @@ class AccumulatingModel(keras.Model):
         self.nonfinite = check_choice("nonfinite", nonfinite, NONFINITE)
         self._skip_warned = False
         self._normalizers = NormalizerLog()
-        self._updates = _UpdatesMetric(self)
-        self._skips = _SkippedMetric(self)
+        self._updates = _Readout(self, "updates", _optimizer_updates)
+        self._skips = _Readout(self, "skipped", _skipped_micro_batches)
         self._fit_state = None
         self._end_of_data_function = None
         self._inexact_warned = False
