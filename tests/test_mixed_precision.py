@@ -307,3 +307,25 @@ def test_loss_scale_optimizer_argument_must_be_one():
         "`loss_scale_optimizer` must be a keras.optimizers.LossScaleOptimizer. "
         "Received: loss_scale_optimizer of type Adam"
     )
+
+
+def test_bfloat16_variables_fit_with_float32_accumulators():
+    """A model whose variables are bfloat16: the accumulators are float32 and the
+    update matches the large batch within bfloat16's precision."""
+    x, y = make_data(24)
+    sce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    reference = make_mlp(dtype="bfloat16")
+    reference.compile(optimizer=keras.optimizers.SGD(0.5), loss=sce)
+    for start in (0, 12):
+        reference.train_on_batch(x[start:start + 12], y[start:start + 12])
+    model = make_mlp(dtype="bfloat16")
+    assert all(v.dtype == "bfloat16" for v in model.trainable_variables)
+    trainer = gradaccum.wrap(model, steps=3)
+    trainer.compile(optimizer=keras.optimizers.SGD(0.5), loss=sce)
+    trainer.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    acc = trainer._fit_state.accumulator
+    assert all(a.dtype == tf.float32 for a in acc.accumulators)
+    start = make_mlp(dtype="bfloat16").get_weights()
+    for w, ref, w0 in zip(model.get_weights(), reference.get_weights(), start):
+        w, ref, w0 = (np.asarray(a, "float32") for a in (w, ref, w0))
+        np.testing.assert_allclose(w - w0, ref - w0, rtol=0.1, atol=2e-2)
