@@ -43,6 +43,14 @@ def fit(trainer_, data=None, loss=SCE, optimizer="sgd"):
     return trainer_.fit(data, verbose=0)
 
 
+def fit_poisoned_under_xla():
+    x, y = make_data(8)
+    x[5, 0] = np.nan
+    wrapped = trainer(nonfinite="raise")
+    wrapped.compile(optimizer="sgd", loss=SCE, jit_compile=True)
+    wrapped.fit(x, y, batch_size=4, verbose=0)
+
+
 def empty_data():
     x, y = np.zeros((0, 5), "float32"), np.zeros((0,), "int64")
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
@@ -201,6 +209,7 @@ CASES = {
         trainer(), loss=keras.losses.MeanSquaredError(reduction="sum")
     ),
     "fit-exact-custom-call-loss": lambda: fit(trainer(), loss=SummingLoss(name="summing")),
+    "fit-nonfinite-raise-xla": lambda: fit_poisoned_under_xla(),
     "fit-weighting-not-a-number": lambda: fit(
         trainer(weighting=lambda x, y, sw: tf.constant("many"))
     ),

@@ -206,7 +206,8 @@ class GradientAccumulator(tf.Module):
             towards the window's length), `skipped` counts it, and a warning is
             shown once when running eagerly (`fit` warns too). `"raise"`: an
             `InvalidArgumentError` naming the micro-batch (under `jit_compile` the
-            check cannot raise and the micro-batch is skipped). `"apply"`: it is
+            check cannot raise: the micro-batch is skipped and counted, and `fit`
+            raises after the compiled call). `"apply"`: it is
             accumulated as it is (Keras's behaviour). Under a LossScaleOptimizer
             such micro-batches are always skipped and the loss scale backs off.
         layers: a model or layers (or a list of them) whose

@@ -146,6 +146,21 @@ class _EpochHook(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self._calls += 1
+        trainer = self._trainer.value
+        if trainer.nonfinite == "raise" and trainer.jit_compile:
+            # XLA compiles the step's assertion away (the micro-batch is skipped
+            # instead): raise here, after the compiled call.
+            skipped = int(trainer._fit_state.accumulator.skipped.numpy())
+            if skipped:
+                raise tf.errors.InvalidArgumentError(
+                    None,
+                    None,
+                    f"gradaccum: a gradient is not finite (inf or nan) in {skipped} "
+                    "micro-batch(es) of this compiled call (jit_compile: the micro-batch "
+                    "was skipped, and the error is raised after the call): "
+                    "nonfinite=raise stops here. Check the data and the loss, or use "
+                    "nonfinite=skip to drop such micro-batches.",
+                )
 
     def on_epoch_begin(self, epoch, logs=None):
         state = self._trainer.value._fit_state
