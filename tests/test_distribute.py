@@ -131,6 +131,28 @@ def test_fit_on_two_replicas_equals_one_device_adam_epochs_partial_window():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+def test_a_replica_share_with_a_non_finite_gradient_is_dropped_with_its_weight():
+    """nonfinite="skip" screens each replica's share: the poisoned share (rows 0-3 of
+    the first micro-batch, on replica 0) is dropped, the other replica's share of
+    that micro-batch is kept, and the window equals one device on the good rows."""
+    strategy = mirrored()
+    x, y = data(16)
+    bad = x.copy()
+    bad[1, 0] = np.nan
+    ref = mlp()
+    ref.compile(keras.optimizers.Adam(0.02), SCE)
+    ref.train_on_batch(x[4:], y[4:])
+    with strategy.scope():
+        model = mlp()
+        trainer = gradaccum.wrap(model, steps=2)
+        trainer.compile(keras.optimizers.Adam(0.02), SCE)
+    history = trainer.fit(bad, y, batch_size=8, shuffle=False, verbose=0)
+    assert history.history["updates"] == [1.0]
+    assert history.history["skipped"] == [1.0]
+    for a, b in zip(model.get_weights(), ref.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_fit_with_steps_1_is_exact_for_unequal_replica_shares():
     # Keras alone averages the replicas' means: 5 samples as 3/2 weigh 1/2 each.
     strategy = mirrored()
