@@ -137,12 +137,14 @@ class _EpochHook(keras.callbacks.Callback):
         self._trainer = _Untracked(trainer)
         self._first_epoch = True
         self._calls = 0
+        self._skipped_before = 0
 
     def on_train_begin(self, logs=None):
         steps = (self.params or {}).get("steps")
         self._trainer.value._fit_state.epoch_length.assign(steps if steps else -1)
         self._first_epoch = True
         self._calls = 0
+        self._skipped_before = int(self._trainer.value._fit_state.accumulator.skipped.numpy())
 
     def on_train_batch_end(self, batch, logs=None):
         self._calls += 1
@@ -151,6 +153,7 @@ class _EpochHook(keras.callbacks.Callback):
             # XLA compiles the step's assertion away (the micro-batch is skipped
             # instead): raise here, after the compiled call.
             skipped = int(trainer._fit_state.accumulator.skipped.numpy())
+            skipped -= self._skipped_before
             if skipped:
                 raise tf.errors.InvalidArgumentError(
                     None,
