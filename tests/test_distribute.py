@@ -292,9 +292,11 @@ def test_loss_scaling_is_refused_on_several_replicas():
                 loss="mse",
             )
     assert str(info.value) == (
-        "Loss scaling with gradaccum is supported on one replica. Received: a "
-        "LossScaleOptimizer (mixed_float16 policy or given) under MirroredStrategy with "
-        "2 replicas. Use the mixed_bfloat16 policy (no loss scaling) under a strategy."
+        "Loss scaling with gradaccum is supported on one replica: the loss scale would "
+        "have to agree across replicas on every micro-batch. Received: a "
+        "LossScaleOptimizer (given, or Keras's under the mixed_float16 policy) under "
+        "MirroredStrategy with 2 replicas. Use the mixed_bfloat16 policy (no loss "
+        "scaling) under a strategy."
     )
 
 

@@ -89,6 +89,19 @@ def check_optimizer(optimizer) -> None:
         )
 
 
+def check_loss_scaling_replicas(strategy) -> None:
+    """Refuses loss scaling under several replicas: the loss scale would have to
+    agree across replicas on every micro-batch."""
+    if strategy.num_replicas_in_sync > 1:
+        raise ValueError(
+            "Loss scaling with gradaccum is supported on one replica: the loss scale "
+            "would have to agree across replicas on every micro-batch. Received: a "
+            "LossScaleOptimizer (given, or Keras's under the mixed_float16 policy) "
+            f"under {_strategy_name(strategy)} with {strategy.num_replicas_in_sync} "
+            "replicas. Use the mixed_bfloat16 policy (no loss scaling) under a strategy."
+        )
+
+
 def _check_variables(variables) -> list:
     try:
         listed = None if isinstance(variables, (str, bytes)) else list(variables)
@@ -760,15 +773,7 @@ class GradientAccumulator(tf.Module):
                 "`loss_scale_optimizer` must be a keras.optimizers.LossScaleOptimizer. "
                 f"Received: loss_scale_optimizer of type {type(optimizer).__name__}"
             )
-        strategy = tf.distribute.get_strategy()
-        if strategy.num_replicas_in_sync > 1:
-            raise ValueError(
-                "Loss scaling with gradaccum is supported on one replica: the loss "
-                "scale would have to agree across replicas on every micro-batch. "
-                f"Received: a LossScaleOptimizer under {_strategy_name(strategy)} with "
-                f"{strategy.num_replicas_in_sync} replicas. Use the mixed_bfloat16 "
-                "policy (no loss scaling) under a strategy."
-            )
+        check_loss_scaling_replicas(tf.distribute.get_strategy())
         self._prepare_optimizer(optimizer)
         return optimizer
 

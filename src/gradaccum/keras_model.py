@@ -28,6 +28,7 @@ from gradaccum.accumulator import (
     GradientAccumulator,
     _Untracked,
     check_accumulator_dtype,
+    check_loss_scaling_replicas,
     check_optimizer,
     distribution_of,
 )
@@ -299,14 +300,8 @@ class AccumulatingModel(keras.Model):
         super().compile(optimizer, loss, *args, steps_per_execution=steps_per_execution,
                         **kwargs)
         # Keras wraps the optimizer in a LossScaleOptimizer under mixed_float16.
-        replicas = self.distribute_strategy.num_replicas_in_sync
-        if kc.is_loss_scale_optimizer(self.optimizer) and replicas > 1:
-            raise ValueError(
-                "Loss scaling with gradaccum is supported on one replica. Received: "
-                f"a LossScaleOptimizer (mixed_float16 policy or given) under "
-                f"{type(self.distribute_strategy).__name__} with {replicas} replicas. "
-                "Use the mixed_bfloat16 policy (no loss scaling) under a strategy."
-            )
+        if kc.is_loss_scale_optimizer(self.optimizer):
+            check_loss_scaling_replicas(self.distribute_strategy)
         self._fit_state = None
         self._end_of_data_function = None
 
