@@ -529,16 +529,18 @@ class GradientAccumulator(tf.Module):
         for layer in self.batch_normalization_layers:
             layer._discard_micro_batch()
 
-    def _warn_skipped(self) -> None:
+    def _warn_skipped(self, count: int = 1, stacklevel: int = 4) -> None:
+        """Warns once per accumulator (eagerly here; `fit` at the end of an epoch)."""
         if self._warned_skip:
             return
         self._warned_skip = True
         warnings.warn(
-            "gradaccum skipped a micro-batch whose gradient is not finite (inf or "
-            "nan): it is dropped with its weight and counted in `skipped` "
-            "(nonfinite='skip'; this warning is shown once). Pass nonfinite='raise' to "
-            "stop at it, or nonfinite='apply' for Keras's behaviour.",
-            stacklevel=4,
+            f"gradaccum skipped {count} micro-batch(es) whose gradient is not finite "
+            "(inf or nan): each is dropped with its weight and counted in `skipped` "
+            "(in fit's logs too; nonfinite='skip'; this warning is shown once). Pass "
+            "nonfinite='raise' to stop at the first, or nonfinite='apply' for Keras's "
+            "behaviour.",
+            stacklevel=stacklevel,
         )
 
     def _apply_single(self, optimizer, gradients):

@@ -263,7 +263,6 @@ class AccumulatingModel(keras.Model):
         self.reduction = check_choice("reduction", reduction, REDUCTIONS)
         self.accumulator_dtype = check_accumulator_dtype(accumulator_dtype).name
         self.nonfinite = check_choice("nonfinite", nonfinite, NONFINITE)
-        self._skip_warned = False
         self._normalizers = NormalizerLog()
         self._updates = _Readout(self, "updates", _optimizer_updates)
         self._skips = _Readout(self, "skipped", _skipped_micro_batches)
@@ -596,21 +595,13 @@ class AccumulatingModel(keras.Model):
 
     def _warn_if_skipped(self):
         state = self._fit_state
-        if state is None or self._skip_warned or self.nonfinite != "skip":
+        if state is None or self.nonfinite != "skip":
             return
         if kc.is_loss_scale_optimizer(self.optimizer):
             return  # loss scaling skips overflowing micro-batches by design
         skipped = int(state.accumulator.skipped.numpy())
         if skipped:
-            self._skip_warned = True
-            warnings.warn(
-                f"gradaccum skipped {skipped} micro-batch(es) whose gradient is not "
-                "finite (inf or nan): each is dropped with its weight and counted in "
-                "the logs' `skipped` (nonfinite='skip'; this warning is shown once). "
-                "Pass nonfinite='raise' to stop at the first, or nonfinite='apply' for "
-                "Keras's behaviour.",
-                stacklevel=2,
-            )
+            state.accumulator._warn_skipped(skipped, stacklevel=3)
 
     def _warn_no_compiled_loss(self):
         warnings.warn(
