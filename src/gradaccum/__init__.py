@@ -13,6 +13,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from gradaccum import _tf
+
 __version__ = "0.1.0"
 
 _EXPORTS = {
@@ -43,6 +45,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def __getattr__(name: str):
     if name in _EXPORTS:
+        # Before the module: without TensorFlow, importing it (or Keras, whose default
+        # backend is TensorFlow) fails with an error that does not say what to install.
+        _tf.require_tensorflow()
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value
         return value

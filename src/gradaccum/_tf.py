@@ -1,13 +1,29 @@
 """A clear message when TensorFlow is missing (it is an install-time choice)."""
 
+from __future__ import annotations
+
+REQUIREMENT = "TensorFlow >= 2.16"
+# The extras that choose a TensorFlow wheel, and what each one installs.
+EXTRAS = {
+    "cpu": "CPU-only TensorFlow (smaller)",
+    "gpu": "TensorFlow with CUDA (Linux GPUs)",
+    "tf": "the standard `tensorflow` wheel",
+}
+
+
+def _install_line(extra: str, what: str) -> str:
+    command = f"pip install 'gradaccum[{extra}]'"
+    return f"  {command:<31}# {what}"
+
+
+MESSAGE = f"gradaccum needs {REQUIREMENT}. Install it with one of:\n" + "\n".join(
+    _install_line(extra, what) for extra, what in EXTRAS.items()
+)
+
 
 def require_tensorflow() -> None:
+    """Imports TensorFlow, or raises an ImportError that says which extra to install."""
     try:
         import tensorflow  # noqa: F401
-    except ImportError as error:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "gradaccum needs TensorFlow >= 2.16. Install it with one of:\n"
-            "  pip install 'gradaccum[cpu]'   # CPU-only TensorFlow (smaller)\n"
-            "  pip install 'gradaccum[gpu]'   # TensorFlow with CUDA (Linux GPUs)\n"
-            "  pip install 'gradaccum[tf]'    # the standard `tensorflow` wheel"
-        ) from error
+    except ImportError as error:
+        raise ImportError(MESSAGE) from error
