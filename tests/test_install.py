@@ -11,11 +11,14 @@ import importlib.metadata
 import json
 import os
 import pathlib
+import re
+import shutil
 import subprocess
 import sys
 import sysconfig
 
 import pytest
+from packaging.requirements import Requirement
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SITE = pathlib.Path(sysconfig.get_paths()["purelib"])
@@ -63,7 +66,29 @@ def _link(names, target: pathlib.Path) -> None:
             link.symlink_to(source)
 
 
-# Defect 4: the library without TensorFlow ------------------------------------------
+def _dependencies(requirements: list[str], extras: set[str]) -> set[str]:
+    """The installed distributions `requirements` (with `extras`) pull in, recursively."""
+    found, todo = set(), [(text, extras) for text in requirements]
+    while todo:
+        text, active = todo.pop()
+        requirement = Requirement(text)
+        if requirement.marker and not any(
+            requirement.marker.evaluate({"extra": extra}) for extra in active | {""}
+        ):
+            continue
+        name = re.sub(r"[-_.]+", "-", requirement.name).lower()
+        if name in found:
+            continue
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue  # pip fetches it from its index, or says why not
+        found.add(name)
+        todo += [(r, set(requirement.extras)) for r in dist.requires or ()]
+    return found
+
+
+# The library without TensorFlow ------------------------------------------
 
 _PROBE = """
 import importlib.util, json
@@ -120,3 +145,102 @@ def test_every_public_name_says_which_extra_to_install_without_tensorflow(tmp_pa
     assert report["errors"] == {
         name: expected for name in [*report["names"], "from gradaccum import wrap"]
     }
+
+
+# The command on the base install -----------------------------------------------------
+
+EXPERIMENT_MISSING = (
+    "the experiment extra is not installed (missing: {}). "
+    "Install it with: pip install 'gradaccum[experiment]'"
+)
+BOTH_MISSING = (
+    "TensorFlow >= 2.16 and the experiment extra are not installed (missing: tensorflow, {}). "
+    "Install them with: pip install 'gradaccum[cpu,experiment]' "
+    "(or gpu or tf instead of cpu for another TensorFlow wheel)"
+)
+
+
+@pytest.fixture(scope="module")
+def cpu_install(tmp_path_factory):
+    """A fresh venv after `pip install 'gradaccum[cpu]'`, the README's CPU install.
+
+    TensorFlow and the other dependencies are this environment's own, linked in so
+    that pip finds them satisfied and downloads nothing but its build backend;
+    gradaccum is built from a copy of the checkout and installed by pip, console
+    script included.
+    """
+    base = tmp_path_factory.mktemp("cpu-install")
+    purelib = _make_venv(base / "venv", with_pip=True)
+    requirements = importlib.metadata.requires("gradaccum") or []
+    for name in _dependencies(requirements, {"cpu"}) - {"gradaccum"}:
+        _link(_top_level(importlib.metadata.distribution(name)), purelib)
+    project = base / "project"
+    shutil.copytree(ROOT / "src", project / "src",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, project / name)
+    pip = subprocess.run(
+        [str(base / "venv" / "bin" / "python"), "-m", "pip", "install", "--no-input",
+         f"{project}[cpu]"],
+        capture_output=True, text=True, timeout=300, env=_clean_env(), cwd=base,
+    )
+    assert pip.returncode == 0, pip.stdout[-3000:] + pip.stderr[-3000:]
+    assert "Downloading" not in pip.stdout  # TensorFlow and co. were found installed
+    return base / "venv"
+
+
+def _run(venv: pathlib.Path, *argv: str, python: bool = False) -> subprocess.CompletedProcess:
+    """Runs the `gradaccum` command pip installed, or that script under `venv`'s python
+    (a copied venv's scripts still name the original's python)."""
+    command = [str(venv / "bin" / "gradaccum"), *argv]
+    if python:
+        command.insert(0, str(venv / "bin" / "python"))
+    return subprocess.run(command, capture_output=True, text=True, timeout=120,
+                          env=_clean_env(), cwd=venv.parent)
+
+
+def _found(venv: pathlib.Path, module: str) -> bool:
+    probe = f"import importlib.util; print(importlib.util.find_spec({module!r}) is not None)"
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", probe], capture_output=True,
+                         text=True, check=True, env=_clean_env()).stdout
+    return out.strip() == "True"
+
+
+def test_console_script_says_which_extra_it_needs(cpu_install):
+    assert _found(cpu_install, "tensorflow") and _found(cpu_install, "keras")
+    assert not any(_found(cpu_install, m) for m in ("tqdm", "matplotlib", "mlxtend"))
+
+    help_ = _run(cpu_install, "--help")
+    assert help_.returncode == 0, help_.stderr
+    assert "{train,sweep}" in help_.stdout
+    # Arguments are still checked first, and with their own message.
+    bad = _run(cpu_install, "train", "--iterations", "0")
+    assert (bad.returncode, bad.stderr) == (
+        2, "gradaccum train: error: argument --iterations: must be an integer >= 1, got '0'\n")
+
+    for argv, missing in [
+        (["train", "--iterations", "1"], "tqdm, mlxtend"),
+        (["train", "--iterations", "1", "--data", "mnist"], "tqdm"),
+        (["sweep", "--runs", "1", "--updates", "1"], "tqdm, mlxtend, matplotlib"),
+    ]:
+        run = _run(cpu_install, *argv)
+        assert (run.returncode, run.stdout) == (2, ""), run.stderr
+        assert run.stderr == f"gradaccum {argv[0]}: error: {EXPERIMENT_MISSING.format(missing)}\n"
+
+
+def test_console_script_without_tensorflow_says_so_in_one_line(cpu_install, tmp_path):
+    venv = tmp_path / "venv"
+    shutil.copytree(cpu_install, venv, symlinks=True)
+    purelib = pathlib.Path(next(venv.glob("lib/python*/site-packages")))
+    removed = _top_level(importlib.metadata.distribution("tensorflow-cpu"))
+    for name in removed:
+        (purelib / name).unlink()
+    assert not _found(venv, "tensorflow")
+
+    for argv, missing in [
+        (["train", "--iterations", "1"], "tqdm, mlxtend"),
+        (["sweep", "--runs", "1"], "tqdm, mlxtend, matplotlib"),
+    ]:
+        run = _run(venv, *argv, python=True)
+        assert (run.returncode, run.stdout) == (2, ""), run.stderr
+        assert run.stderr == f"gradaccum {argv[0]}: error: {BOTH_MISSING.format(missing)}\n"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 REQUIREMENT = "TensorFlow >= 2.16"
 # The extras that choose a TensorFlow wheel, and what each one installs.
 EXTRAS = {
@@ -19,6 +21,11 @@ def _install_line(extra: str, what: str) -> str:
 MESSAGE = f"gradaccum needs {REQUIREMENT}. Install it with one of:\n" + "\n".join(
     _install_line(extra, what) for extra, what in EXTRAS.items()
 )
+
+
+def tensorflow_installed() -> bool:
+    """Whether `tensorflow` can be found, without the seconds its import takes."""
+    return importlib.util.find_spec("tensorflow") is not None
 
 
 def require_tensorflow() -> None:

