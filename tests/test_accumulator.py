@@ -279,10 +279,18 @@ def test_checkpoint_holds_only_the_accumulation_state():
     model = make_mlp()
     acc = gradaccum.GradientAccumulator(model.trainable_variables)
     names = sorted(v.name for v in acc.variables)
-    assert len(acc.variables) == len(model.trainable_variables) + 5
-    for state in ("micro_step", "total_weight", "window_skipped", "skipped", "micro_batches"):
+    fields = ("received", "micro_step", "total_weight", "window_skipped", "skipped",
+              "micro_batches")
+    assert len(acc.variables) == len(model.trainable_variables) + len(fields)
+    for state in fields:
         assert any(n.split("/")[-1].split(":")[0] == state for n in names), state
     assert all(v.dtype == tf.float32 for v in acc.accumulators)
+    # One declared record: the checkpoint's variables are the record's, by name.
+    named = acc.state_variables()
+    assert sorted(named) == sorted(
+        [f"accumulator_{i}" for i in range(len(model.trainable_variables))] + list(fields)
+    )
+    assert {id(v) for v in named.values()} == {id(v) for v in acc.variables}
 
 
 # Bad input -------------------------------------------------------------------------

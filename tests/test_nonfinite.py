@@ -159,7 +159,8 @@ def test_unknown_nonfinite_is_refused(make):
         else:
             gradaccum.wrap(make_mlp(), steps=2, nonfinite="ignore")
     assert str(info.value) == (
-        "`nonfinite` must be one of 'skip', 'raise', 'apply'. Received: nonfinite='ignore'"
+        "`nonfinite` must be one of 'skip', 'raise', 'apply' or a callable gradients -> "
+        "bool (True skips the micro-batch). Received: nonfinite='ignore'"
     )
 
 

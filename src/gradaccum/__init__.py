@@ -24,6 +24,8 @@ _EXPORTS = {
     "convert_batch_normalization": "gradaccum.batch_norm",
     "CountingCrossDeviceOps": "gradaccum.communication",
     "wrap": "gradaccum.keras_model",
+    "accumulate": "gradaccum.attach",
+    "disable": "gradaccum.attach",
 }
 
 __all__ = [
@@ -32,12 +34,15 @@ __all__ = [
     "CountingCrossDeviceOps",
     "GradientAccumulator",
     "__version__",
+    "accumulate",
     "convert_batch_normalization",
+    "disable",
     "wrap",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
     from gradaccum.accumulator import GradientAccumulator
+    from gradaccum.attach import accumulate, disable
     from gradaccum.batch_norm import BatchNormalization, convert_batch_normalization
     from gradaccum.communication import CountingCrossDeviceOps
     from gradaccum.keras_model import AccumulatingModel, wrap

@@ -1,16 +1,27 @@
-"""The few private Keras pieces gradaccum relies on, in one place.
+"""Every private Keras piece gradaccum relies on, and nothing else.
 
 Exact weighting must divide by the same normalizer as Keras's loss reduction, so it
 reuses Keras's own masking and rank-matching helpers rather than re-deriving them.
 Under tf.distribute, gradaccum reduces gradients itself, once per update, and has
-Keras's optimizer apply them from the cross-replica context.
+Keras's optimizer apply them from the cross-replica context. The fit integration
+runs the model's own loss computation and reads Keras's epoch iterator.
+
+`PRIVATE_PIECES` lists each piece with the parameters gradaccum calls it with;
+`missing_pieces()` checks them against the installed Keras (a test does), so a Keras
+release that changes one fails loudly in one place.
 """
 
 import contextlib
+import inspect
 
 import keras
 import tensorflow as tf
 from keras.src.backend.common.masking import get_keras_mask
+from keras.src.backend.tensorflow.optimizer import TFOptimizer
+from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+from keras.src.layers.normalization.batch_normalization import (
+    BatchNormalization as _KerasBatchNormalization,
+)
 from keras.src.losses.loss import (
     apply_mask,
     squeeze_or_expand_to_same_rank,
@@ -18,6 +29,111 @@ from keras.src.losses.loss import (
 )
 from keras.src.losses.losses import LossFunctionWrapper
 from keras.src.models.functional import Functional
+from keras.src.trainers.trainer import Trainer
+
+# (owner, attribute, parameters after `self` that gradaccum passes; None: an
+# attribute read, not called). Module-level functions have the module as owner.
+PRIVATE_PIECES = (
+    (keras.src.losses.loss, "apply_mask", ("sample_weight", "mask", "dtype", "reduction")),
+    (keras.src.losses.loss, "squeeze_or_expand_to_same_rank", ("x1", "x2")),
+    (keras.src.losses.loss, "unscale_loss_for_distribution", ("value",)),
+    (keras.src.backend.common.masking, "get_keras_mask", ("x",)),
+    (keras.src.losses.losses, "LossFunctionWrapper", ("fn",)),
+    (keras.src.models.functional, "Functional", ("inputs", "outputs")),
+    (keras.layers.Layer, "_flatten_layers", ("include_self", "recursive")),
+    (Trainer, "_compute_loss", ("x", "y", "y_pred", "sample_weight", "training")),
+    (TensorFlowTrainer, "_maybe_symbolic_build", ("iterator", "data_batch")),
+    (TFOptimizer, "_var_key", ("variable",)),
+    (TFOptimizer, "_apply_weight_decay", ("variables",)),
+    (TFOptimizer, "_backend_update_step", ("grads", "trainable_variables", "learning_rate")),
+    (TFOptimizer, "_distributed_tf_update_step",
+     ("distribution", "grads_and_vars", "learning_rate")),
+    (keras.optimizers.Optimizer, "_use_weight_decay", ("variable",)),
+    (keras.optimizers.Optimizer, "update_step", ("gradient", "variable", "learning_rate")),
+    (keras.optimizers.LossScaleOptimizer, "_stateful_handle_non_finite_grads", ()),
+    (_KerasBatchNormalization, "_moments", ("inputs", "mask")),
+)
+
+# Instance attributes read (checked on live objects by the tests): Model's
+# `_call_has_training_arg`, `_loss_tracker`, `_compile_loss` (with `_flat_losses` or
+# `_user_loss`), BatchNormalization's `_reduction_axes`, Layer's
+# `_trainable_variables` and `_non_trainable_variables`, Model's `_compile_config`
+# (a SerializableDict with `.config`), Optimizer's `_trainable_variables`.
+
+
+def missing_pieces() -> list[str]:
+    """What of `PRIVATE_PIECES` the installed Keras lacks or calls otherwise."""
+    problems = []
+    for owner, name, parameters in PRIVATE_PIECES:
+        where = f"{getattr(owner, '__name__', owner)}.{name}"
+        piece = getattr(owner, name, None)
+        if piece is None:
+            problems.append(f"{where} is missing")
+            continue
+        if parameters is None:
+            continue
+        target = piece.__init__ if inspect.isclass(piece) else piece
+        names = [p for p in inspect.signature(target).parameters if p != "self"]
+        if list(parameters) != names[: len(parameters)]:
+            problems.append(f"{where} takes {names}, gradaccum passes {list(parameters)}")
+    return problems
+
+
+def compile_config(model):
+    """What the model's last `Trainer.compile` received (Keras keeps it to save the
+    model's compile), as a dict; None before `compile`."""
+    saved = getattr(model, "_compile_config", None)
+    return None if saved is None else dict(saved.config)
+
+
+def set_compile_config(model, config: dict) -> None:
+    """Makes `config` what the model saves as its compile."""
+    from keras.src.saving.serialization_lib import SerializableDict
+
+    model._compile_config = SerializableDict(**config)
+
+
+def call_has_training_arg(model) -> bool:
+    """Whether `model.call` takes a `training` argument."""
+    return model._call_has_training_arg
+
+
+def compute_loss(model, x, y, y_pred, sample_weight):
+    """The model's own loss in training (its `compute_loss`, its compiled loss and
+    regularization losses), as Keras's train step computes it."""
+    return model._compute_loss(
+        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+    )
+
+
+def loss_tracker(model):
+    """The metric behind the `loss` entry of the model's logs."""
+    return model._loss_tracker
+
+
+def compiled_loss(model):
+    """The model's CompileLoss, or None before `compile` (or without a loss)."""
+    return getattr(model, "_compile_loss", None)
+
+
+def batch_norm_moments(layer, inputs, mask):
+    """Keras's BatchNormalization micro-batch moments (mask-aware)."""
+    return layer._moments(inputs, mask)
+
+
+def batch_norm_reduction_axes(layer) -> list:
+    """The axes a built BatchNormalization layer reduces over."""
+    return layer._reduction_axes
+
+
+def optimizer_variables_of(optimizer) -> list:
+    """The variables a built optimizer updates when `apply` gets no variable list."""
+    return list(optimizer._trainable_variables)
+
+
+def own_variables(layer) -> list:
+    """A layer's own variables (not those of its sublayers), in Keras's order."""
+    return layer._trainable_variables + layer._non_trainable_variables
 
 
 def count_compiled_losses(compile_loss) -> int:
@@ -47,24 +163,6 @@ def back_off_loss_scale(optimizer) -> None:
     """Keras's own reaction of a LossScaleOptimizer to non-finite gradients:
     the scale halves and the count of finite steps restarts."""
     optimizer._stateful_handle_non_finite_grads()
-
-
-def grow_loss_scale(optimizer) -> None:
-    """A LossScaleOptimizer's count of finite steps, as Keras keeps it: after
-    `dynamic_growth_steps` finite steps in a row the scale doubles."""
-
-    def upscale():
-        optimizer.step_counter.assign(0)
-        optimizer.dynamic_scale.assign(optimizer.dynamic_scale * 2.0)
-
-    def increment():
-        optimizer.step_counter.assign_add(1)
-
-    keras.ops.cond(
-        keras.ops.equal(optimizer.step_counter, optimizer.dynamic_growth_steps - 1),
-        upscale,
-        increment,
-    )
 
 
 def tf_variable(variable):
@@ -103,19 +201,103 @@ def applying_across_replicas(optimizer, strategy):
             if optimizer._use_weight_decay(variable):
                 strategy.extended.update(tf_variable(variable), decay, group=False)
 
-    optimizer._backend_update_step = update_step
-    optimizer._apply_weight_decay = apply_weight_decay
+    with _overriding(optimizer, _backend_update_step=update_step,
+                     _apply_weight_decay=apply_weight_decay):
+        yield
+
+
+@contextlib.contextmanager
+def updating_only(optimizer, keep):
+    """Within the block, `optimizer.apply` updates (and decays) a variable only where
+    `keep(key)` holds, `key` being the variable's key in the optimizer (`var_key`):
+    a boolean tensor, decided at run time.
+
+    Keras leaves a variable whose gradient is None out of an update (no step, no
+    slot change, no weight decay); which variables a window updates is known only
+    when it closes, so each variable's step runs under a `tf.cond`. Keras calls
+    `update_step` and `_apply_weight_decay` once per variable (per device under a
+    strategy), with the variable or a replica's copy of it.
+    """
+    update_step = optimizer.update_step
+    apply_weight_decay = optimizer._apply_weight_decay
+
+    def masked_step(gradient, variable, learning_rate):
+        def step():
+            update_step(gradient, variable, learning_rate)
+            return tf.constant(True)
+
+        tf.cond(keep(var_key(optimizer, variable)), step, lambda: tf.constant(False))
+
+    def masked_decay(variables):
+        for variable in variables:
+
+            def decay(variable=variable):
+                apply_weight_decay([variable])
+                return tf.constant(True)
+
+            tf.cond(keep(var_key(optimizer, variable)), decay, lambda: tf.constant(False))
+
+    with _overriding(optimizer, update_step=masked_step, _apply_weight_decay=masked_decay):
+        yield
+
+
+@contextlib.contextmanager
+def observing_epoch_length(model, hook):
+    """Within the block (a `fit`), `hook.epoch_length` is set to the number of
+    batches per epoch as Keras's epoch iterator counts them (None if unknown).
+
+    Keras gives that count to callbacks as `params["steps"]` only when it builds the
+    CallbackList itself; `fit` hands its epoch iterator to `_maybe_symbolic_build`
+    in every case, before the first callback event.
+    """
+    build = model._maybe_symbolic_build
+
+    def observed(*args, iterator=None, **kwargs):
+        if iterator is not None:
+            hook.epoch_length = iterator.num_batches
+        return build(*args, iterator=iterator, **kwargs)
+
+    with _overriding(model, _maybe_symbolic_build=observed):
+        yield
+
+
+def var_key(optimizer, variable):
+    """The key under which `optimizer` knows `variable` (a replica's copy included)."""
+    return optimizer._var_key(variable)
+
+
+@contextlib.contextmanager
+def _overriding(obj, **methods):
+    """Sets instance attributes for the block, then puts back what was there."""
+    missing = object()
+    previous = {name: obj.__dict__.get(name, missing) for name in methods}
+    for name, method in methods.items():
+        setattr(obj, name, method)
     try:
         yield
     finally:
-        del optimizer._backend_update_step
-        del optimizer._apply_weight_decay
+        for name, value in previous.items():
+            if value is missing:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, value)
 
 
 __all__ = [
+    "PRIVATE_PIECES",
+    "batch_norm_moments",
+    "batch_norm_reduction_axes",
+    "call_has_training_arg",
+    "compile_config",
+    "compiled_loss",
+    "set_compile_config",
+    "compute_loss",
+    "loss_tracker",
+    "missing_pieces",
+    "optimizer_variables_of",
+    "own_variables",
     "back_off_loss_scale",
     "flatten_layers",
-    "grow_loss_scale",
     "is_loss_scale_optimizer",
     "is_optimizer",
     "Functional",
@@ -125,6 +307,9 @@ __all__ = [
     "get_keras_mask",
     "applying_across_replicas",
     "tf_variable",
+    "observing_epoch_length",
+    "updating_only",
+    "var_key",
     "squeeze_or_expand_to_same_rank",
     "unscale_loss_for_distribution",
 ]

@@ -51,3 +51,121 @@ def check_weight_value(weight) -> None:
         raise ValueError(
             f"`weight` must be a finite number >= 0. Received: weight={value!r}"
         )
+
+
+# Checks that need TensorFlow (imported when first used) --------------------------
+
+ACCUMULATOR_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def check_accumulator_dtype(accumulator_dtype):
+    """Returns the accumulator dtype as a `tf.DType`, or raises the fixed-form
+    ValueError."""
+    import tensorflow as tf
+
+    try:
+        dtype = tf.as_dtype(accumulator_dtype)
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.name not in ACCUMULATOR_DTYPES:
+        allowed = ", ".join(repr(d) for d in ACCUMULATOR_DTYPES)
+        raise ValueError(
+            f"`accumulator_dtype` must be a floating dtype, one of {allowed}. "
+            f"Received: accumulator_dtype={accumulator_dtype!r}"
+        )
+    return dtype
+
+
+def check_optimizer(optimizer) -> None:
+    """Refuses what is not a Keras optimizer, or one that would accumulate gradients
+    a second time."""
+    from gradaccum import _keras_compat as kc
+
+    if not kc.is_optimizer(optimizer):
+        raise ValueError(
+            "`optimizer` must be a keras.optimizers.Optimizer. "
+            f"Received: optimizer of type {type(optimizer).__name__}"
+        )
+    if kc.is_loss_scale_optimizer(optimizer):
+        optimizer = optimizer.inner_optimizer
+    if getattr(optimizer, "gradient_accumulation_steps", None):
+        raise ValueError(
+            "The optimizer must not accumulate gradients itself when gradaccum "
+            "does. Received: gradient_accumulation_steps="
+            f"{optimizer.gradient_accumulation_steps}. Create the optimizer "
+            "without `gradient_accumulation_steps`."
+        )
+
+
+def check_variables(variables) -> list:
+    """Returns `variables` as a non-empty list of variables, or raises."""
+    try:
+        listed = None if isinstance(variables, (str, bytes)) else list(variables)
+    except TypeError:
+        listed = None
+    if not listed:
+        raise ValueError(
+            "`variables` must be a non-empty list of variables. "
+            f"Received: variables={variables!r}"
+        )
+    for v in listed:
+        if not all(hasattr(v, attr) for attr in ("shape", "dtype", "assign")):
+            raise ValueError(
+                "`variables` must be a non-empty list of variables. "
+                f"Received: an element of type {type(v).__name__}: {v!r}"
+            )
+    return listed
+
+
+def variable_name(variable) -> str:
+    """A variable's path (or name), usable in a variable name."""
+    import re
+
+    name = getattr(variable, "path", None) or variable.name
+    name = name.split(":")[0]
+    return re.sub(r"[^A-Za-z0-9_./-]", "_", name)
+
+
+def check_gradients(gradients, variables) -> list:
+    """One gradient (tensor, IndexedSlices or None) per variable, of its shape."""
+    import tensorflow as tf
+
+    gradients = list(gradients)
+    if len(gradients) != len(variables):
+        raise ValueError(
+            f"`gradients` must have one entry per variable ({len(variables)}). "
+            f"Received: {len(gradients)} gradients."
+        )
+    checked = []
+    for grad, var in zip(gradients, variables):
+        if grad is not None and not isinstance(grad, tf.IndexedSlices):
+            grad = tf.convert_to_tensor(grad)
+        if grad is not None:
+            sparse = isinstance(grad, tf.IndexedSlices)
+            shape = grad.values.shape if sparse else grad.shape
+            # IndexedSlices hold rows: only the trailing dimensions must match.
+            if not tf.TensorShape(shape[1:] if sparse else shape).is_compatible_with(
+                var.shape[1:] if sparse else var.shape
+            ):
+                raise ValueError(
+                    f"The gradient of variable '{variable_name(var)}' must have "
+                    f"shape {tuple(var.shape)}. Received: shape={tuple(shape)}"
+                )
+        checked.append(grad)
+    return checked
+
+
+def check_weight(weight, dtype):
+    """A micro-batch weight as a scalar tensor of `dtype`: checked now when it is
+    concrete (finite, >= 0, scalar), by shape when it is symbolic."""
+    import tensorflow as tf
+
+    if isinstance(weight, tf.Tensor) and not tf.executing_eagerly():
+        if weight.shape.rank not in (None, 0) and weight.shape.num_elements() != 1:
+            raise ValueError(
+                "`weight` must be a scalar. "
+                f"Received: weight with shape {tuple(weight.shape)}"
+            )
+    else:
+        check_weight_value(weight.numpy() if hasattr(weight, "numpy") else weight)
+    return tf.reshape(tf.cast(weight, dtype), ())

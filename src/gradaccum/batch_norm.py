@@ -20,6 +20,7 @@ import contextlib
 import keras
 import tensorflow as tf
 
+from gradaccum import _keras_compat as kc
 from gradaccum._keras_compat import Functional, flatten_layers
 
 _REFUSED = {
@@ -138,7 +139,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
             return super().call(inputs, training=training, mask=mask)
         # Statistics in float32 (float64 for float64 inputs), as Keras's layer.
         inputs = tf.cast(inputs, tf.float64 if inputs.dtype == tf.float64 else tf.float32)
-        mean, variance = self._moments(inputs, mask)
+        mean, variance = kc.batch_norm_moments(self, inputs, mask)
         self._record(self._count(inputs, mask), mean, variance)
         gamma = tf.cast(self.gamma, inputs.dtype) if self.scale else None
         beta = tf.cast(self.beta, inputs.dtype) if self.center else None
@@ -159,7 +160,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
         # Keras's layer broadcasts the mask along the last axis.
         weights = tf.broadcast_to(tf.expand_dims(tf.cast(mask, tf.float32), -1),
                                   tf.shape(inputs))
-        return tf.reduce_sum(weights, axis=self._reduction_axes)
+        return tf.reduce_sum(weights, axis=kc.batch_norm_reduction_axes(self))
 
     def _record(self, count, mean, variance):
         mean = tf.cast(tf.reshape(mean, [-1]), tf.float32)
@@ -200,7 +201,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
 
     def _keras_variables(self):
         state = {id(v) for v in self._state_variables()}
-        every = self._trainable_variables + self._non_trainable_variables
+        every = kc.own_variables(self)
         return [v for v in every if id(v) not in state]
 
     def save_own_variables(self, store):

@@ -1,199 +1,23 @@
-"""The Keras `fit()` integration: `wrap(model, steps=k)`.
+"""`wrap(model, steps=k)`: train a Keras model inside an `AccumulatingModel`.
 
-`AccumulatingModel` trains the wrapped model's own variables. Each `train_step` is
-one micro-batch: forward, backward of the loss scaled by the micro-batch's weight,
-`GradientAccumulator.accumulate_weighted`, and an update when the window is full or
-the epoch's data ends (partial windows, by policy). All of it runs inside the compiled train
-function: no host round trip and no Python work per micro-batch.
-
-Under tf.distribute each replica's `train_step` accumulates its own share of the
-micro-batch; the accumulator reduces across replicas once per update. The
-fit-position counters are replica-local too, so a micro-batch costs no
-communication.
+`AccumulatingModel` is a `keras.Model` around the user's model: it calls it, and
+`fit` trains the wrapped model's own variables with gradaccum's exact step and the
+wrapper's compiled loss. The accumulation itself is the one mechanism of
+`gradaccum.accumulate` (`_fit.Accumulation`) attached to the wrapper. Prefer
+`gradaccum.accumulate`, which trains the model through its own `fit`, `train_step`
+and `compute_loss`; `wrap` stays for code written against it.
 """
 
 from __future__ import annotations
 
-import warnings
-
 import keras
-import tensorflow as tf
 
 from gradaccum import _keras_compat as kc
-from gradaccum import batch_norm
-from gradaccum._validation import check_choice, check_steps
-from gradaccum.accumulator import (
-    NONFINITE,
-    REDUCTIONS,
-    GradientAccumulator,
-    _Untracked,
-    check_accumulator_dtype,
-    check_loss_scaling_replicas,
-    check_optimizer,
-    distribution_of,
-)
+from gradaccum._distributed import check_loss_scaling_replicas, distribution_of
+from gradaccum._fit import PARTIALS, Accumulation, Options  # noqa: F401 (PARTIALS re-exported)
+from gradaccum._validation import check_optimizer
 from gradaccum.batch_norm import convert_batch_normalization
-from gradaccum.weighting import (
-    NormalizerLog,
-    callable_weight,
-    check_weighting,
-    record_normalizers,
-)
-
-PARTIALS = ("flush", "carry", "drop")
-
-
-class _Readout(keras.metrics.Metric):
-    """Shows a counter of the trainer in the logs of fit (nothing to accumulate)."""
-
-    def __init__(self, trainer, name, read):
-        super().__init__(name=name)
-        self._trainer = _Untracked(trainer)
-        self._read = read
-
-    def update_state(self, *args, **kwargs):
-        pass
-
-    def reset_state(self):
-        pass
-
-    def result(self):
-        value = self._read(self._trainer.value)
-        return tf.constant(0.0) if value is None else tf.cast(value, tf.float32)
-
-
-def _optimizer_updates(trainer):
-    """The optimizer's update count (`iterations`)."""
-    return None if trainer.optimizer is None else trainer.optimizer.iterations
-
-
-def _skipped_micro_batches(trainer):
-    """Micro-batches skipped for a non-finite gradient."""
-    state = trainer._fit_state
-    return None if state is None else state.accumulator.skipped
-
-
-class _FitState(tf.Module):
-    """Accumulation state of fit: the accumulator and the epoch position."""
-
-    def __init__(self, variables, steps, reduction, accumulator_dtype, terms=0, layers=None,
-                 nonfinite="skip"):
-        super().__init__(name="gradaccum_fit_state")
-        self.accumulator = GradientAccumulator(
-            variables,
-            steps=steps,
-            reduction=reduction,
-            accumulator_dtype=accumulator_dtype,
-            layers=layers,
-            nonfinite=nonfinite,
-        )
-        # Replica-local (every replica counts the same micro-batches): updating
-        # them inside a replica's step needs no communication.
-        local = dict(
-            trainable=False,
-            synchronization=tf.VariableSynchronization.ON_READ,
-            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
-        )
-        int64 = dict(local, dtype=tf.int64)
-        # Micro-batches seen in the current epoch, its length (-1: unknown), and
-        # micro-batches to skip after a restore in the middle of an epoch.
-        self.epoch_step = tf.Variable(0, name="epoch_step", **int64)
-        self.epoch_length = tf.Variable(-1, name="epoch_length", **int64)
-        self.resume_skip = tf.Variable(0, name="resume_skip", **int64)
-        # Several loss terms: their normalizer ratios at the window's start, and
-        # whether a window had ratios that differ (then one weight is not exact).
-        self.term_ratios = tf.Variable(
-            tf.zeros([terms], tf.float32), name="term_ratios", **local
-        )
-        self.inexact = tf.Variable(False, name="inexact", **local)
-
-    def saved_variables(self) -> dict[str, tf.Variable]:
-        acc = self.accumulator
-        named = {f"accumulator_{i}": v for i, v in enumerate(acc.accumulators)}
-        named.update(
-            micro_step=acc.micro_step,
-            total_weight=acc.total_weight,
-            window_skipped=acc._window_skipped,
-            skipped=acc.skipped,
-            micro_batches=acc.micro_batches,
-            epoch_step=self.epoch_step,
-            resume_skip=self.resume_skip,
-        )
-        for i, layer in enumerate(acc.batch_normalization_layers):
-            named.update(
-                {
-                    f"batch_norm_{i}_window_count": layer.window_count,
-                    f"batch_norm_{i}_window_mean": layer.window_mean,
-                    f"batch_norm_{i}_window_m2": layer.window_m2,
-                }
-            )
-        return named
-
-
-class _EpochHook(keras.callbacks.Callback):
-    """Runs first among fit's callbacks: epoch position and end-of-data windows."""
-
-    def __init__(self, trainer):
-        super().__init__()
-        self._trainer = _Untracked(trainer)
-        self._first_epoch = True
-        self._calls = 0
-        self._skipped_before = 0
-
-    def on_train_begin(self, logs=None):
-        steps = (self.params or {}).get("steps")
-        self._trainer.value._fit_state.epoch_length.assign(steps if steps else -1)
-        self._first_epoch = True
-        self._calls = 0
-        self._skipped_before = int(self._trainer.value._fit_state.accumulator.skipped.numpy())
-
-    def on_train_batch_end(self, batch, logs=None):
-        self._calls += 1
-        trainer = self._trainer.value
-        if trainer.nonfinite == "raise" and trainer.jit_compile:
-            # XLA compiles the step's assertion away (the micro-batch is skipped
-            # instead): raise here, after the compiled call.
-            skipped = int(trainer._fit_state.accumulator.skipped.numpy())
-            skipped -= self._skipped_before
-            if skipped:
-                raise tf.errors.InvalidArgumentError(
-                    None,
-                    None,
-                    f"gradaccum: a gradient is not finite (inf or nan) in {skipped} "
-                    "micro-batch(es) of this compiled call (jit_compile: the micro-batch "
-                    "was skipped, and the error is raised after the call): "
-                    "nonfinite=raise stops here. Check the data and the loss, or use "
-                    "nonfinite=skip to drop such micro-batches.",
-                )
-
-    def on_epoch_begin(self, epoch, logs=None):
-        state = self._trainer.value._fit_state
-        if self._first_epoch and int(state.epoch_step.numpy()) > 0:
-            # Restored (BackupAndRestore) in the middle of an epoch: the epoch
-            # restarts from its first batch, so skip what was already trained on.
-            state.resume_skip.assign(state.epoch_step)
-        state.epoch_step.assign(0)
-        self._first_epoch = False
-
-    def on_epoch_end(self, epoch, logs=None):
-        trainer = self._trainer.value
-        trainer._end_of_data()
-        trainer._fit_state.epoch_step.assign(0)
-        if logs is not None and "updates" in logs:
-            logs["updates"] = float(trainer.optimizer.iterations.numpy())
-        if logs is not None and "skipped" in logs:
-            logs["skipped"] = float(trainer._fit_state.accumulator.skipped.numpy())
-        trainer._warn_if_inexact()
-        trainer._warn_if_skipped()
-
-    def on_train_end(self, logs=None):
-        self._trainer.value._end_of_data()
-        if self._calls == 0 and (self.params or {}).get("epochs", 1) > 0:
-            raise ValueError(
-                "`fit` must receive at least one micro-batch. Received: data that "
-                "yielded no batch (an empty dataset or array), so nothing was "
-                "accumulated or applied."
-            )
+from gradaccum.weighting import record_normalizers
 
 
 @keras.saving.register_keras_serializable(package="gradaccum")
@@ -254,24 +78,25 @@ class AccumulatingModel(keras.Model):
             model = convert_batch_normalization(model)
         if model.built:
             distribution_of(model.trainable_variables)
+        options = Options(steps, weighting, partial, reduction, accumulator_dtype, nonfinite)
         kwargs.setdefault("name", f"gradaccum_{model.name}")
         super().__init__(**kwargs)
         self.model = model
-        self.steps = check_steps(steps)
-        self.weighting = check_weighting(weighting)
-        self.partial = check_choice("partial", partial, PARTIALS)
-        self.reduction = check_choice("reduction", reduction, REDUCTIONS)
-        self.accumulator_dtype = check_accumulator_dtype(accumulator_dtype).name
-        self.nonfinite = check_choice("nonfinite", nonfinite, NONFINITE)
-        self._normalizers = NormalizerLog()
-        self._updates = _Readout(self, "updates", _optimizer_updates)
-        self._skips = _Readout(self, "skipped", _skipped_micro_batches)
-        self._fit_state = None
-        self._end_of_data_function = None
-        self._inexact_warned = False
-        self._resumable = False
+        self.steps = options.steps
+        self.weighting = options.weighting
+        self.partial = options.partial
+        self.reduction = options.reduction
+        self.accumulator_dtype = options.accumulator_dtype
+        self.nonfinite = options.nonfinite
+        self._accumulation = Accumulation(options, layers=model)
+        self._accumulation.attach(self)
         if model.built:
             self.built = True
+
+    @property
+    def _fit_state(self):
+        """The accumulation state of fit (None before the first training step)."""
+        return self._accumulation.state
 
     # Keras model protocol --------------------------------------------------------
 
@@ -295,24 +120,13 @@ class AccumulatingModel(keras.Model):
         optimizer = keras.optimizers.get(optimizer)
         check_optimizer(optimizer)
         if self.weighting == "exact":
-            loss = record_normalizers(loss, self._normalizers)
+            loss = record_normalizers(loss, self._accumulation.normalizers)
         super().compile(optimizer, loss, *args, steps_per_execution=steps_per_execution,
                         **kwargs)
         # Keras wraps the optimizer in a LossScaleOptimizer under mixed_float16.
         if kc.is_loss_scale_optimizer(self.optimizer):
             check_loss_scaling_replicas(self.distribute_strategy)
-        self._fit_state = None
-        self._end_of_data_function = None
-
-    @property
-    def metrics(self):
-        metrics = super().metrics
-        if self.nonfinite == "apply" and not (
-            self.optimizer is not None and kc.is_loss_scale_optimizer(self.optimizer)
-        ):
-            # Nothing can be skipped: no counter to show.
-            metrics = [m for m in metrics if m is not self._skips]
-        return metrics
+        self._accumulation.forget()
 
     def compile_from_config(self, config):
         config = keras.saving.deserialize_keras_object(config)
@@ -321,19 +135,16 @@ class AccumulatingModel(keras.Model):
             self.optimizer.build(self.trainable_variables)
 
     def get_config(self):
-        weighting = self.weighting
-        if callable(weighting):
-            weighting = keras.saving.serialize_keras_object(weighting)
         return {
             "model": keras.saving.serialize_keras_object(self.model),
             "steps": self.steps,
-            "weighting": weighting,
+            "weighting": _serialized(self.weighting),
             "partial": self.partial,
             "reduction": self.reduction,
             "accumulator_dtype": self.accumulator_dtype,
             # The saved model holds the converted layers already.
             "convert_batch_norm": False,
-            "nonfinite": self.nonfinite,
+            "nonfinite": _serialized(self.nonfinite),
             "name": self.name,
         }
 
@@ -343,272 +154,46 @@ class AccumulatingModel(keras.Model):
         model = keras.saving.deserialize_keras_object(
             config.pop("model"), custom_objects=custom_objects
         )
-        weighting = config.pop("weighting")
-        if not isinstance(weighting, str):
-            weighting = keras.saving.deserialize_keras_object(
-                weighting, custom_objects=custom_objects
-            )
-        return cls(model, weighting=weighting, **config)
+        for option in ("weighting", "nonfinite"):
+            if option in config and not isinstance(config[option], str):
+                config[option] = keras.saving.deserialize_keras_object(
+                    config[option], custom_objects=custom_objects
+                )
+        return cls(model, **config)
 
     def make_train_function(self, force=False):
-        self._ensure_fit_state()
+        self._accumulation.ensure_state()
         return super().make_train_function(force=force)
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
             callbacks=None, **kwargs):
-        hook = _EpochHook(self)
-        if isinstance(callbacks, keras.callbacks.CallbackList):
-            callbacks.callbacks.insert(0, hook)
-            listed = callbacks.callbacks
-        else:
-            callbacks = [hook, *(callbacks or [])]
-            listed = callbacks
-        resumable = any(isinstance(cb, keras.callbacks.BackupAndRestore) for cb in listed)
-        if resumable != self._resumable:
-            # The step that can skip restored micro-batches costs a branch per
-            # micro-batch: compile it only for fits that can restore.
-            self._resumable = resumable
-            self.train_function = None
-        if self._fit_state is not None:
-            # A new fit starts at an epoch's beginning; BackupAndRestore may then
-            # restore a position inside an epoch.
-            self._fit_state.epoch_step.assign(0)
-            self._fit_state.resume_skip.assign(0)
-        return super().fit(
-            x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
-            callbacks=callbacks, **kwargs,
+        return self._accumulation.fit(
+            super().fit, x, y, batch_size, epochs, verbose, callbacks, kwargs
         )
 
     def evaluate(self, *args, **kwargs):
-        if kwargs.get("_use_cached_eval_dataset"):
-            # Validation inside fit sees the epoch's partial window applied.
-            self._end_of_data()
+        self._accumulation.before_evaluate(kwargs)
         return super().evaluate(*args, **kwargs)
 
     def train_step(self, data):
-        if not self._resumable:
-            return self._micro_batch_step(data)
-        # Under BackupAndRestore a fit may restart inside an epoch and must skip the
-        # micro-batches already trained on. The training branch is traced first: it
-        # builds the metrics that the skipping branch reports.
-        return tf.cond(
-            self._fit_state.resume_skip <= 0,
-            lambda: self._micro_batch_step(data),
-            self._skip_micro_batch,
-        )
-
-    def test_step(self, data):
-        logs = super().test_step(data)
-        logs.pop(self._updates.name, None)
-        logs.pop(self._skips.name, None)
-        return logs
+        return self._accumulation.train_step(data)
 
     # Saving: the accumulation state travels with the weights ---------------------
 
     def save_own_variables(self, store):
         super().save_own_variables(store)
-        if self._fit_state is not None:
-            for key, variable in self._fit_state.saved_variables().items():
-                store[f"gradaccum_{key}"] = variable.numpy()
+        self._accumulation.save_to(store)
 
     def load_own_variables(self, store):
-        keys = set(store.keys())
-        ours = {k for k in keys if k.startswith("gradaccum_")}
-        if ours:
-            self._ensure_fit_state()
-            for key, variable in self._fit_state.saved_variables().items():
-                if f"gradaccum_{key}" in keys:
-                    variable.assign(store[f"gradaccum_{key}"])
-        super().load_own_variables({k: store[k] for k in keys - ours})
-
-    # Internals ---------------------------------------------------------------
-
-    def _ensure_fit_state(self):
-        if self._fit_state is not None:
-            return
-        if not self.model.built:
-            raise ValueError(
-                "The wrapped model must be built before its accumulation state is "
-                f"created. Received: model {self.model.name!r} that is not built "
-                "(fit builds it from its first batch: is the data empty?). Give the "
-                "model an Input, or call it on a batch first."
-            )
-        if not self.trainable_variables:
-            raise ValueError(
-                "The wrapped model must have trainable variables to accumulate "
-                f"gradients of. Received: model {self.model.name!r} with none."
-            )
-        terms = max(0, kc.count_compiled_losses(getattr(self, "_compile_loss", None)) - 1)
-        with self.distribute_strategy.scope():
-            distribution_of(self.trainable_variables)
-            if self.optimizer is not None and not self.optimizer.built:
-                # Before tracing: a loss scale read in the step must be a variable.
-                self.optimizer.build(self.trainable_variables)
-            self._fit_state = _FitState(
-                self.trainable_variables,
-                self.steps,
-                self.reduction,
-                self.accumulator_dtype,
-                terms=terms,
-                layers=self.model,
-                nonfinite=self.nonfinite,
-            )
-        # The layers record only inside this model's training step (see
-        # `_micro_batch_step`): elsewhere they stay Keras's layer.
-        for layer in self._fit_state.accumulator.batch_normalization_layers:
-            layer._accumulated = False
-
-    def _skip_micro_batch(self):
-        state = self._fit_state
-        state.resume_skip.assign_sub(1)
-        state.epoch_step.assign_add(1)
-        return self.get_metrics_result()
-
-    def _micro_batch_step(self, data):
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        state = self._fit_state
-        acc = state.accumulator
-        variables = list(acc.target_variables)
-        self._normalizers.take()
-        distributed = tf.distribute.has_strategy()
-        loss_scaled = kc.is_loss_scale_optimizer(self.optimizer)
-        # A window of one micro-batch on one device: G = w g / w = g, applied
-        # without the accumulators' copy.
-        single = self.steps == 1 and not (
-            distributed or loss_scaled or acc.batch_normalization_layers
-        )
-        # With reduction "mean", differentiate w_i * L_i: the weight is applied once to
-        # the loss rather than to every gradient. Under tf.distribute, L_i is the
-        # replica's own loss (Keras divides it by the replica count: undone here),
-        # so that the reduced sums give the global window's gradient exactly. Under
-        # loss scaling the weight is applied with the unscaling instead, so that the
-        # scaled loss is what Keras would scale (no extra overflows).
-        weigh_loss = self.reduction == "mean" and not (single or loss_scaled)
-        with tf.GradientTape() as tape, batch_norm.driving(acc.batch_normalization_layers):
-            if self._call_has_training_arg:
-                y_pred = self(x, training=True)
-            else:
-                y_pred = self(x)
-            loss = self._compute_loss(
-                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
-            )
-            weight = tf.stop_gradient(self._micro_batch_weight(x, y, sample_weight))
-            objective = loss
-            if weigh_loss:
-                objective = kc.unscale_loss_for_distribution(loss) * tf.cast(
-                    weight, loss.dtype
-                )
-            # Loss scaling (a LossScaleOptimizer's dynamic scale, or an optimizer's
-            # static `loss_scale_factor`), as Keras's own train step does.
-            objective = self.optimizer.scale_loss(objective)
-        gradients = tape.gradient(objective, variables)
-        self._loss_tracker.update_state(
-            kc.unscale_loss_for_distribution(loss), sample_weight=weight
-        )
-        state.epoch_step.assign_add(1)
-        if single:
-            acc._apply_single(self.optimizer, gradients)
-        elif loss_scaled:
-            # Unscaled and weighed in one multiply by the accumulator.
-            acc.accumulate(gradients, weight, loss_scale_optimizer=self.optimizer)
-            self._close_window_if_due()
-        else:
-            acc.accumulate_weighted(gradients, weight)
-            self._close_window_if_due()
-        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-
-    def _micro_batch_weight(self, x, y, sample_weight):
-        if self.weighting == "uniform":
-            return tf.constant(1.0)
-        if callable(self.weighting):
-            return callable_weight(self.weighting, x, y, sample_weight)
-        normalizers = self._normalizers.take()
-        if not normalizers:
-            self._warn_no_compiled_loss()
-            first = next(t for t in tf.nest.flatten(x) if t is not None)
-            return tf.cast(tf.shape(first)[0], tf.float32)
-        if len(normalizers) > 1:
-            self._track_term_ratios(normalizers)
-        return normalizers[0]
-
-    def _track_term_ratios(self, normalizers):
-        state = self._fit_state
-        ratios = tf.stack([tf.math.divide_no_nan(n, normalizers[0]) for n in normalizers[1:]])
-        first_in_window = state.accumulator.micro_step == 0
-        differs = tf.reduce_any(
-            tf.abs(ratios - state.term_ratios) > 1e-6 * tf.abs(state.term_ratios)
-        )
-        state.inexact.assign(
-            tf.logical_or(state.inexact, tf.logical_and(~first_in_window, differs))
-        )
-        state.term_ratios.assign(tf.where(first_in_window, ratios, state.term_ratios))
-
-    def _close_window_if_due(self):
-        state = self._fit_state
-        acc = state.accumulator
-        end_of_data = tf.logical_and(
-            state.epoch_length > 0, state.epoch_step >= state.epoch_length
-        )
-        full = acc.window_length() >= self.steps
-        if self.partial == "flush":
-            acc.apply_if(self.optimizer, tf.logical_or(full, end_of_data))
-        else:
-            acc.apply_if(self.optimizer, full)
-            if self.partial == "drop":
-                tf.cond(end_of_data, self._drop_window, lambda: tf.constant(False))
-
-    def _drop_window(self):
-        self._fit_state.accumulator.reset()
-        return tf.constant(True)
-
-    def _end_of_data(self):
-        """Closes the open window as `partial` says (idempotent)."""
-        if self._fit_state is None or self.partial == "carry":
-            return
-        if self._end_of_data_function is None:
-            acc = self._fit_state.accumulator
-            if self.partial == "flush":
-                def close():
-                    return acc.apply(self.optimizer)
-            else:
-                def close():
-                    # A window of only skipped micro-batches is closed too.
-                    return tf.cond(acc.window_length() > 0, self._drop_window,
-                                   lambda: tf.constant(False))
-            self._end_of_data_function = close if self.run_eagerly else tf.function(close)
-        with self.distribute_strategy.scope():
-            self._end_of_data_function()
-
-    def _warn_if_inexact(self):
-        state = self._fit_state
-        if state is None or self._inexact_warned or not bool(state.inexact.numpy()):
-            return
-        self._inexact_warned = True
-        warnings.warn(
-            "weighting='exact' is approximate for this model: its loss terms have "
-            "normalizers that are not proportional across the micro-batches of a "
-            "window (e.g. outputs with their own masks), so one weight per "
-            "micro-batch cannot reproduce the large-batch loss. Use equal "
-            "micro-batches, or a `weighting` callable for your normalizer.",
-            stacklevel=2,
+        self._accumulation.load_from(store)
+        super().load_own_variables(
+            {k: store[k] for k in store.keys() if not k.startswith("gradaccum_")}
         )
 
-    def _warn_if_skipped(self):
-        state = self._fit_state
-        if state is None or self.nonfinite != "skip":
-            return
-        if kc.is_loss_scale_optimizer(self.optimizer):
-            return  # loss scaling skips overflowing micro-batches by design
-        skipped = int(state.accumulator.skipped.numpy())
-        if skipped:
-            state.accumulator._warn_skipped(skipped, stacklevel=3)
 
-    def _warn_no_compiled_loss(self):
-        warnings.warn(
-            "weighting='exact' found no compiled loss (only `add_loss` terms): "
-            "micro-batches are weighted by their size.",
-            stacklevel=2,
-        )
+def _serialized(option):
+    """A name as it is, a callable as Keras serializes it."""
+    return option if isinstance(option, str) else keras.saving.serialize_keras_object(option)
 
 
 def wrap(

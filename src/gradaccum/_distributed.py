@@ -1,0 +1,129 @@
+"""Everything gradaccum does with tf.distribute: the checks and the one reduction.
+
+Under `MirroredStrategy` or `MultiWorkerMirroredStrategy` each replica accumulates
+into its own copy of the state (sync-on-read variables) without communicating. At an
+update the replicas' sums, weight totals and received counts travel in ONE batched
+all-reduce (`reduce_window`), and every device forms the same global `G`.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from gradaccum._keras_compat import tf_variable
+
+# Replica-local state: each replica adds to its own copy; read across replicas (and
+# saved) the copies are summed, or the first replica's is taken for counters that
+# every replica keeps alike.
+SUMMED = dict(
+    trainable=False,
+    synchronization=tf.VariableSynchronization.ON_READ,
+    aggregation=tf.VariableAggregation.SUM,
+)
+COUNTED = dict(SUMMED, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+
+
+def strategy_name(strategy) -> str:
+    return type(strategy).__name__.replace("V1", "")
+
+
+def several_replicas(strategy) -> bool:
+    return strategy is not None and strategy.num_replicas_in_sync > 1
+
+
+def distribution_of(variables):
+    """The `tf.distribute.Strategy` that created `variables`, or None.
+
+    Raises:
+        ValueError: if the variables come from several strategies, or if they are
+            not distributed while the strategy in scope has several replicas (the
+            model was built outside `strategy.scope()`), or if they belong to a
+            strategy other than the one in scope.
+    """
+    found = {}
+    for variable in variables:
+        inner = tf_variable(variable)
+        if isinstance(inner, tf.distribute.DistributedValues):
+            strategy = inner.distribute_strategy
+            found[id(strategy)] = strategy
+    current = tf.distribute.get_strategy()
+    if not found:
+        if current.num_replicas_in_sync > 1:
+            raise ValueError(
+                "The model's variables must be created inside the scope of the "
+                f"distribution strategy in use ({strategy_name(current)} with "
+                f"{current.num_replicas_in_sync} replicas). Received: variables created "
+                "outside `strategy.scope()`, which the replicas would share. Build the "
+                "model and the optimizer inside `with strategy.scope():`, and create "
+                "the accumulator (or call `gradaccum.wrap` and `compile`) there too."
+            )
+        return None
+    if len(found) > 1:
+        raise ValueError(
+            "The variables must all belong to one distribution strategy. Received: "
+            f"variables from {len(found)} strategies."
+        )
+    (strategy,) = found.values()
+    if tf.distribute.has_strategy() and current is not strategy:
+        raise ValueError(
+            "The model's variables belong to another distribution strategy than the "
+            f"one in scope. Received: variables of a {strategy_name(strategy)}, "
+            f"scope of a {strategy_name(current)}. Use one strategy for the model, "
+            "the optimizer and gradaccum."
+        )
+    return strategy
+
+
+def check_loss_scaling_replicas(strategy) -> None:
+    """Refuses loss scaling under several replicas: the loss scale would have to
+    agree across replicas on every micro-batch."""
+    if several_replicas(strategy):
+        raise ValueError(
+            "Loss scaling with gradaccum is supported on one replica: the loss scale "
+            "would have to agree across replicas on every micro-batch. Received: a "
+            "LossScaleOptimizer (given, or Keras's under the mixed_float16 policy) "
+            f"under {strategy_name(strategy)} with {strategy.num_replicas_in_sync} "
+            "replicas. Use the mixed_bfloat16 policy (no loss scaling) under a strategy."
+        )
+
+
+def check_batch_norm_replicas(strategy, count: int) -> None:
+    """Refuses gradaccum.BatchNormalization under several replicas."""
+    if count and several_replicas(strategy):
+        raise ValueError(
+            "gradaccum.BatchNormalization pools window statistics on one replica: "
+            f"it is not supported under {strategy_name(strategy)} with "
+            f"{strategy.num_replicas_in_sync} replicas. Received: layers with "
+            f"{count} gradaccum.BatchNormalization layer(s)."
+        )
+
+
+def check_replica_context(method: str, variables) -> None:
+    """`method` adds a replica's own gradients: under a strategy it must run inside
+    `strategy.run`."""
+    if not tf.distribute.has_strategy():
+        return
+    distribution_of(variables)
+    if tf.distribute.in_cross_replica_context():
+        strategy = tf.distribute.get_strategy()
+        raise ValueError(
+            f"`{method}` must be called in a replica context under "
+            f"{strategy_name(strategy)}: call it inside `strategy.run(...)`, "
+            "where each replica adds its own gradients. Received: a call in "
+            "cross-replica context."
+        )
+
+
+def reduce_window(strategy, variables) -> list:
+    """The one communication of a window: the replicas' copies of `variables`
+    summed in one batched all-reduce; returns the global sums (every device holds
+    the same values)."""
+    reduced = strategy.extended.batch_reduce_to(
+        tf.distribute.ReduceOp.SUM, [(v, v) for v in variables]
+    )
+    return [strategy.experimental_local_results(r)[0] for r in reduced]
+
+
+def first_local(strategy, value):
+    """A per-replica value that every replica holds alike, as one tensor."""
+    return strategy.experimental_local_results(value)[0]

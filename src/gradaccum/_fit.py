@@ -1,0 +1,648 @@
+"""Accumulation inside Keras's `fit()`: one mechanism for both doors.
+
+`Accumulation` attaches to the model being trained (the *host*): the user's own
+model (`gradaccum.accumulate`) or `wrap`'s `AccumulatingModel`. It holds the
+options, the accumulation state and the training step:
+
+- a host that uses Keras's default `train_step` trains with gradaccum's exact step:
+  forward, the host's own loss (`compute_loss`, compiled loss, regularizers),
+  backward of the loss weighted by the micro-batch's normalizer, accumulation, and
+  an update when the window closes;
+- a host whose class defines its own `train_step` runs it unchanged; accumulation
+  sits where it hands gradients to an optimizer (`apply_gradients` / `apply`), one
+  accumulator per optimizer and variable list, each applied once per window.
+
+Epoch positions, the end of the data (the window policy of `_window`), resuming
+under `BackupAndRestore` and the `updates`/`skipped` log entries are kept by a
+callback that runs first among `fit`'s callbacks.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from gradaccum import _keras_compat as kc
+from gradaccum import _window, batch_norm
+from gradaccum._combine import REDUCTIONS
+from gradaccum._distributed import COUNTED, distribution_of
+from gradaccum._screening import check_nonfinite, compiled_raise_message
+from gradaccum._state import Untracked
+from gradaccum._validation import (
+    check_accumulator_dtype,
+    check_choice,
+    check_steps,
+)
+from gradaccum.accumulator import GradientAccumulator
+from gradaccum.weighting import NormalizerLog, callable_weight, check_weighting
+
+PARTIALS = _window.PARTIALS
+
+
+class Options:
+    """The accumulation options, checked once (fixed-form errors)."""
+
+    def __init__(self, steps, weighting="exact", partial="flush", reduction="mean",
+                 accumulator_dtype="float32", nonfinite="skip"):
+        self.steps = check_steps(steps)
+        self.weighting = check_weighting(weighting)
+        self.partial = check_choice("partial", partial, PARTIALS)
+        self.reduction = check_choice("reduction", reduction, REDUCTIONS)
+        self.accumulator_dtype = check_accumulator_dtype(accumulator_dtype).name
+        self.nonfinite = check_nonfinite(nonfinite)
+
+    def accumulator(self, variables, *, layers=None, name="gradient_accumulator"):
+        return GradientAccumulator(
+            variables,
+            steps=self.steps,
+            reduction=self.reduction,
+            accumulator_dtype=self.accumulator_dtype,
+            layers=layers,
+            nonfinite=self.nonfinite,
+            name=name,
+        )
+
+
+class FitState(tf.Module):
+    """Accumulation state of fit: the accumulators and the epoch position."""
+
+    def __init__(self, accumulator=None, terms=0):
+        super().__init__(name="gradaccum_fit_state")
+        # The exact step's accumulator (None for a model's own train_step).
+        self.accumulator = accumulator
+        # A model's own step: one accumulator per (optimizer, variables), in the
+        # order the step first handed them gradients.
+        self.own = []
+        # Replica-local (every replica counts the same micro-batches): updating
+        # them inside a replica's step needs no communication.
+        int64 = dict(COUNTED, dtype=tf.int64)
+        # Micro-batches seen in the current epoch, its length (-1: unknown), and
+        # micro-batches to skip after a restore in the middle of an epoch.
+        self.epoch_step = tf.Variable(0, name="epoch_step", **int64)
+        self.epoch_length = tf.Variable(-1, name="epoch_length", **int64)
+        self.resume_skip = tf.Variable(0, name="resume_skip", **int64)
+        # Several loss terms: their normalizer ratios at the window's start, and
+        # whether a window had ratios that differ (then one weight is not exact).
+        self.term_ratios = tf.Variable(
+            tf.zeros([terms], tf.float32), name="term_ratios", **COUNTED
+        )
+        self.inexact = tf.Variable(False, name="inexact", **COUNTED)
+
+    def accumulators(self) -> list:
+        """Every accumulator with the optimizer it applies with."""
+        return ([] if self.accumulator is None else [self.accumulator]) + [
+            acc for acc, _ in self.own
+        ]
+
+    @property
+    def skipped(self) -> int:
+        return sum(int(acc.skipped.numpy()) for acc in self.accumulators())
+
+    def saved_variables(self) -> dict[str, tf.Variable]:
+        named = {} if self.accumulator is None else self.accumulator.state_variables()
+        for j, (acc, _) in enumerate(self.own):
+            named.update({f"own_{j}_{k}": v for k, v in acc.state_variables().items()})
+        named.update(epoch_step=self.epoch_step, resume_skip=self.resume_skip)
+        return named
+
+
+class EpochHook(keras.callbacks.Callback):
+    """Runs first among fit's callbacks: epoch position, end-of-data windows and the
+    `updates`/`skipped` log entries."""
+
+    def __init__(self, accumulation):
+        super().__init__()
+        self._accumulation = Untracked(accumulation)
+        self._first_epoch = True
+        self._calls = 0
+        self._skipped_before = 0
+        # Batches per epoch, as Keras's epoch iterator counts them (None: unknown).
+        self.epoch_length = None
+
+    @property
+    def _state(self):
+        return self._accumulation.value.state
+
+    def on_train_begin(self, logs=None):
+        steps = self.epoch_length
+        self._state.epoch_length.assign(steps if steps else -1)
+        self._first_epoch = True
+        self._calls = 0
+        self._skipped_before = self._state.skipped
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._calls += 1
+        accumulation = self._accumulation.value
+        host = accumulation.host
+        if accumulation.options.nonfinite == "raise" and host.jit_compile:
+            # XLA compiles the step's assertion away (the micro-batch is skipped
+            # instead): raise here, after the compiled call.
+            skipped = self._state.skipped - self._skipped_before
+            if skipped:
+                raise tf.errors.InvalidArgumentError(
+                    None, None, compiled_raise_message(skipped)
+                )
+        accumulation.write_logs(logs)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        state = self._state
+        if self._first_epoch and int(state.epoch_step.numpy()) > 0:
+            # Restored (BackupAndRestore) in the middle of an epoch: the epoch
+            # restarts from its first batch, so skip what was already trained on.
+            state.resume_skip.assign(state.epoch_step)
+        state.epoch_step.assign(0)
+        self._first_epoch = False
+
+    def on_epoch_end(self, epoch, logs=None):
+        accumulation = self._accumulation.value
+        accumulation.end_of_data()
+        self._state.epoch_step.assign(0)
+        accumulation.write_logs(logs)
+        accumulation.warn_if_inexact()
+        accumulation.warn_if_skipped()
+
+    def on_train_end(self, logs=None):
+        self._accumulation.value.end_of_data()
+        if self._calls == 0 and (self.params or {}).get("epochs", 1) > 0:
+            raise ValueError(
+                "`fit` must receive at least one micro-batch. Received: data that "
+                "yielded no batch (an empty dataset or array), so nothing was "
+                "accumulated or applied."
+            )
+
+
+class _Forward(keras.callbacks.Callback):
+    """Passes every callback event on to a caller's `CallbackList`, untouched."""
+
+    def __init__(self, callbacks):
+        super().__init__()
+        self._callbacks = callbacks
+
+    def set_model(self, model):
+        pass  # the caller's list keeps the model and params it was given
+
+    def set_params(self, params):
+        pass
+
+
+for _event in [name for name in dir(keras.callbacks.Callback) if name.startswith("on_")]:
+    setattr(
+        _Forward,
+        _event,
+        lambda self, *args, _event=_event, **kwargs: getattr(self._callbacks, _event)(
+            *args, **kwargs
+        ),
+    )
+
+
+def uses_default_train_step(model) -> bool:
+    """Whether the model's class trains with Keras's own `train_step`."""
+    return type(model).train_step is keras.Model.train_step
+
+
+def optimizers_of(model) -> list:
+    """The Keras optimizers a model holds: `model.optimizer` first, then any other
+    optimizer attribute (a GAN's generator and discriminator optimizers)."""
+    found = []
+    candidates = [getattr(model, "optimizer", None)]
+    candidates += [value for value in vars(model).values() if kc.is_optimizer(value)]
+    for optimizer in candidates:
+        if optimizer is not None and kc.is_optimizer(optimizer):
+            if all(optimizer is not other for other in found):
+                found.append(optimizer)
+    return found
+
+
+class Accumulation:
+    """Gradient accumulation attached to a model that `fit` trains (the host).
+
+    Args:
+        options: the checked `Options`.
+        layers: the model whose `gradaccum.BatchNormalization` layers the exact
+            step drives (the host itself, or `wrap`'s inner model).
+    """
+
+    def __init__(self, options: Options, layers):
+        self.options = options
+        self._host = None
+        self._layers = Untracked(layers)
+        self.normalizers = NormalizerLog()
+        self.state: FitState | None = None
+        self.resumable = False
+        self._end_of_data_function = None
+        self._inexact_warned = False
+        # A model's own step: the micro-batch being trained and a guard against
+        # intercepting gradaccum's own optimizer calls.
+        self._micro_batch = None
+        self._applying = False
+        self._intercepted = 0
+        self._pending = {}
+        self._own_step = None
+        # `accumulate`: the compile the user made, restored by `disable`.
+        self.user_compile_config = None
+
+    @property
+    def host(self):
+        return self._host.value
+
+    def attach(self, host, own_step=None) -> None:
+        """Attaches to `host`; `own_step` is the host's own `train_step` (bound), or
+        None for gradaccum's exact step."""
+        self._host = Untracked(host)
+        self._own_step = own_step
+
+    def forget(self) -> None:
+        """Drops the state (a new compile): it is created again before training."""
+        self.state = None
+        self._end_of_data_function = None
+
+    # fit -----------------------------------------------------------------------
+
+    def fit(self, fit, x, y, batch_size, epochs, verbose, callbacks, kwargs):
+        """Runs `fit` (the host's own) with gradaccum's hook first among callbacks."""
+        host = self.host
+        hook = EpochHook(self)
+        if isinstance(callbacks, keras.callbacks.CallbackList):
+            # The caller's list is left as it is: the hook runs first, then the list.
+            listed = callbacks.callbacks
+            callbacks = keras.callbacks.CallbackList([hook, _Forward(callbacks)])
+        else:
+            callbacks = [hook, *(callbacks or [])]
+            listed = callbacks
+        resumable = any(isinstance(cb, keras.callbacks.BackupAndRestore) for cb in listed)
+        if resumable != self.resumable:
+            # The step that can skip restored micro-batches costs a branch per
+            # micro-batch: compile it only for fits that can restore.
+            self.resumable = resumable
+            host.train_function = None
+        if self.state is not None:
+            # A new fit starts at an epoch's beginning; BackupAndRestore may then
+            # restore a position inside an epoch.
+            self.state.epoch_step.assign(0)
+            self.state.resume_skip.assign(0)
+        with kc.observing_epoch_length(host, hook):
+            return fit(
+                x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
+                callbacks=callbacks, **kwargs,
+            )
+
+    def before_evaluate(self, kwargs) -> None:
+        if kwargs.get("_use_cached_eval_dataset"):
+            # Validation inside fit sees the epoch's partial window applied.
+            self.end_of_data()
+
+    def write_logs(self, logs) -> None:
+        """`updates` (the optimizer's update count) and `skipped` in fit's logs."""
+        if logs is None or self.state is None:
+            return
+        optimizer = getattr(self.host, "optimizer", None)
+        if optimizer is not None:
+            logs["updates"] = float(optimizer.iterations.numpy())
+        if self.skips_possible():
+            logs["skipped"] = float(self.state.skipped)
+
+    def skips_possible(self) -> bool:
+        optimizer = getattr(self.host, "optimizer", None)
+        return self.options.nonfinite != "apply" or (
+            optimizer is not None and kc.is_loss_scale_optimizer(optimizer)
+        )
+
+    # State -----------------------------------------------------------------------
+
+    def ensure_state(self) -> None:
+        """Creates the accumulation state before the train function is traced."""
+        if self.state is not None:
+            return
+        host = self.host
+        layers = self._layers.value
+        if not layers.built:
+            raise ValueError(
+                "The wrapped model must be built before its accumulation state is "
+                f"created. Received: model {layers.name!r} that is not built "
+                "(fit builds it from its first batch: is the data empty?). Give the "
+                "model an Input, or call it on a batch first."
+            )
+        if not host.trainable_variables:
+            raise ValueError(
+                "The wrapped model must have trainable variables to accumulate "
+                f"gradients of. Received: model {layers.name!r} with none."
+            )
+        terms = max(0, kc.count_compiled_losses(kc.compiled_loss(host)) - 1)
+        with host.distribute_strategy.scope():
+            distribution_of(host.trainable_variables)
+            if host.optimizer is not None and not host.optimizer.built:
+                # Before tracing: a loss scale read in the step must be a variable.
+                host.optimizer.build(host.trainable_variables)
+            accumulator = None
+            if self._own_step is None:
+                accumulator = self.options.accumulator(host.trainable_variables,
+                                                       layers=layers)
+            self.state = FitState(accumulator, terms=terms)
+            if accumulator is None and host.optimizer is not None:
+                # A model's own step usually hands all its trainable variables to
+                # `self.optimizer`: that accumulator exists before tracing (and under
+                # a strategy must); others are made when the step first hands them.
+                self._own_accumulator(host.optimizer, list(host.trainable_variables))
+        # The layers record only inside this model's training step (see
+        # `exact_step`): elsewhere they stay Keras's layer.
+        for acc in self.state.accumulators():
+            for layer in acc.batch_normalization_layers:
+                layer._accumulated = False
+        self._restore_pending()
+
+    def saved_variables(self) -> dict:
+        return {} if self.state is None else self.state.saved_variables()
+
+    def save_to(self, store) -> None:
+        for key, variable in self.saved_variables().items():
+            store[f"gradaccum_{key}"] = variable.numpy()
+
+    def load_from(self, store) -> None:
+        """Restores what `save_to` wrote; values of accumulators not created yet
+        wait until they are."""
+        self._pending = {
+            key[len("gradaccum_"):]: np.asarray(store[key])
+            for key in store.keys()
+            if key.startswith("gradaccum_")
+        }
+        if self._pending:
+            self.ensure_state()
+            self._restore_pending()
+
+    def _restore_pending(self) -> None:
+        if not self._pending or self.state is None:
+            return
+        for key, variable in self.saved_variables().items():
+            if key in self._pending:
+                variable.assign(self._pending.pop(key))
+
+    # The training step -----------------------------------------------------------
+
+    def train_step(self, data):
+        """One micro-batch: gradaccum's exact step, or the model's own step with its
+        optimizer calls accumulated."""
+        own_step = self._own_step
+        step = self.exact_step if own_step is None else (
+            lambda data: self.intercepted_step(own_step, data)
+        )
+        if not self.resumable:
+            return step(data)
+        # Under BackupAndRestore a fit may restart inside an epoch and must skip the
+        # micro-batches already trained on. The training branch is traced first:
+        # the skipping branch reports logs of the same structure.
+        spec = []
+
+        def train():
+            logs = step(data)
+            spec.append(tf.nest.map_structure(tf.convert_to_tensor, logs))
+            return logs
+
+        def skip():
+            state = self.state
+            state.resume_skip.assign_sub(1)
+            state.epoch_step.assign_add(1)
+            if own_step is None:
+                return self.host.get_metrics_result()
+            return tf.nest.map_structure(lambda t: tf.zeros_like(t), spec[0])
+
+        return tf.cond(self.state.resume_skip <= 0, train, skip)
+
+    def exact_step(self, data):
+        """gradaccum's step for a host that uses Keras's default `train_step`."""
+        host = self.host
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        state = self.state
+        acc = state.accumulator
+        options = self.options
+        variables = list(acc.target_variables)
+        self.normalizers.take()
+        distributed = tf.distribute.has_strategy()
+        loss_scaled = kc.is_loss_scale_optimizer(host.optimizer)
+        # A window of one micro-batch on one device: G = w g / w = g, applied
+        # without the accumulators' copy.
+        single = options.steps == 1 and not (
+            distributed or loss_scaled or acc.batch_normalization_layers
+        )
+        # With reduction "mean", differentiate w_i * L_i: the weight is applied once
+        # to the loss rather than to every gradient. Under tf.distribute, L_i is the
+        # replica's own loss (Keras divides it by the replica count: undone here),
+        # so that the reduced sums give the global window's gradient exactly. Under
+        # loss scaling the weight is applied with the unscaling instead, so that the
+        # scaled loss is what Keras would scale (no extra overflows).
+        weigh_loss = options.reduction == "mean" and not (single or loss_scaled)
+        with tf.GradientTape() as tape, batch_norm.driving(acc.batch_normalization_layers):
+            if kc.call_has_training_arg(host):
+                y_pred = host(x, training=True)
+            else:
+                y_pred = host(x)
+            loss = kc.compute_loss(host, x, y, y_pred, sample_weight)
+            weight = tf.stop_gradient(self.micro_batch_weight(x, y, sample_weight, True))
+            objective = loss
+            if weigh_loss:
+                objective = kc.unscale_loss_for_distribution(loss) * tf.cast(
+                    weight, loss.dtype
+                )
+            # Loss scaling (a LossScaleOptimizer's dynamic scale, or an optimizer's
+            # static `loss_scale_factor`), as Keras's own train step does.
+            objective = host.optimizer.scale_loss(objective)
+        gradients = tape.gradient(objective, variables)
+        kc.loss_tracker(host).update_state(
+            kc.unscale_loss_for_distribution(loss), sample_weight=weight
+        )
+        state.epoch_step.assign_add(1)
+        if single:
+            acc._apply_single(host.optimizer, gradients)
+        elif loss_scaled:
+            # Unscaled and weighed in one multiply by the accumulator.
+            acc.accumulate(gradients, weight, loss_scale_optimizer=host.optimizer)
+            self._close_if_due(acc, host.optimizer)
+        else:
+            acc.accumulate_weighted(gradients, weight)
+            self._close_if_due(acc, host.optimizer)
+        return host.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def intercepted_step(self, own_step, data):
+        """The model's own `train_step`, its optimizer calls accumulated."""
+        host = self.host
+        self.state.epoch_step.assign_add(1)
+        self._micro_batch = keras.utils.unpack_x_y_sample_weight(data)
+        self.normalizers.take()
+        self._intercepted = 0
+        layers = []
+        if self.state.own:
+            layers = self.state.own[0][0].batch_normalization_layers
+        with self._intercepting(optimizers_of(host)), batch_norm.driving(layers):
+            logs = own_step(data)
+        self._micro_batch = None
+        if not self._intercepted:
+            raise ValueError(
+                f"The train_step of {type(host).__name__} must hand its gradients to an "
+                "optimizer of the model (`self.optimizer.apply_gradients(...)` or "
+                "`.apply(...)`) for gradaccum to accumulate them. Received: a step "
+                "that called neither on any optimizer attribute of the model, so "
+                "nothing would be trained."
+            )
+        return logs
+
+    def _intercepting(self, optimizers):
+        accumulation = self
+
+        class Intercepting:
+            def __enter__(self):
+                self._restore = []
+                for optimizer in optimizers:
+                    original = optimizer.apply
+                    self._restore.append((optimizer, "apply" in optimizer.__dict__,
+                                          optimizer.__dict__.get("apply")))
+
+                    def apply(grads, trainable_variables=None, *, _opt=optimizer,
+                              _original=original):
+                        if accumulation._applying:
+                            return _original(grads, trainable_variables)
+                        return accumulation._accumulate_own(_opt, grads, trainable_variables)
+
+                    optimizer.apply = apply
+
+            def __exit__(self, *exc):
+                for optimizer, had, value in self._restore:
+                    if had:
+                        optimizer.apply = value
+                    else:
+                        del optimizer.apply
+                return False
+
+        return Intercepting()
+
+    def _accumulate_own(self, optimizer, grads, trainable_variables):
+        self._intercepted += 1
+        grads = list(grads)
+        if trainable_variables is None:
+            trainable_variables = kc.optimizer_variables_of(optimizer)
+        variables = list(trainable_variables)
+        acc = self._own_accumulator(optimizer, variables)
+        x, y, sample_weight = self._micro_batch
+        weight = self.micro_batch_weight(x, y, sample_weight, False)
+        if kc.is_loss_scale_optimizer(optimizer):
+            acc.accumulate(grads, weight, loss_scale_optimizer=optimizer)
+        else:
+            acc.accumulate(grads, weight)
+        self._close_if_due(acc, optimizer)
+        return optimizer.iterations
+
+    def _own_accumulator(self, optimizer, variables):
+        for acc, owner in self.state.own:
+            if owner is optimizer and len(acc.target_variables) == len(variables) and all(
+                a is b for a, b in zip(acc.target_variables, variables)
+            ):
+                return acc
+        layers = self._layers.value if not self.state.own else None
+        name = f"gradaccum_own_{len(self.state.own)}"
+        with tf.init_scope():
+            acc = self.options.accumulator(variables, layers=layers, name=name)
+        for layer in acc.batch_normalization_layers:
+            layer._accumulated = False
+        self.state.own.append((acc, optimizer))
+        self._restore_pending()
+        return acc
+
+    def micro_batch_weight(self, x, y, sample_weight, exact_step: bool):
+        """`w_i`: 1 (uniform), the user's callable, the compiled loss's normalizer
+        when the step computed it (exact), else the micro-batch's size."""
+        weighting = self.options.weighting
+        if weighting == "uniform":
+            return tf.constant(1.0)
+        if callable(weighting):
+            return callable_weight(weighting, x, y, sample_weight)
+        normalizers = self.normalizers.take()
+        if not normalizers:
+            if exact_step:
+                self._warn_no_compiled_loss()
+            first = next(t for t in tf.nest.flatten(x) if t is not None)
+            return tf.cast(tf.shape(first)[0], tf.float32)
+        if len(normalizers) > 1 and exact_step:
+            self._track_term_ratios(normalizers)
+        return normalizers[0]
+
+    def _track_term_ratios(self, normalizers):
+        state = self.state
+        ratios = tf.stack([tf.math.divide_no_nan(n, normalizers[0]) for n in normalizers[1:]])
+        first_in_window = state.accumulator.micro_step == 0
+        differs = tf.reduce_any(
+            tf.abs(ratios - state.term_ratios) > 1e-6 * tf.abs(state.term_ratios)
+        )
+        state.inexact.assign(
+            tf.logical_or(state.inexact, tf.logical_and(~first_in_window, differs))
+        )
+        state.term_ratios.assign(tf.where(first_in_window, ratios, state.term_ratios))
+
+    def _end_of_data_in_step(self):
+        state = self.state
+        return tf.logical_and(state.epoch_length > 0, state.epoch_step >= state.epoch_length)
+
+    def _close_if_due(self, acc, optimizer) -> None:
+        self._applying = True
+        try:
+            _window.close_if_due(
+                acc, optimizer, self.options.steps, self.options.partial,
+                self._end_of_data_in_step(),
+            )
+        finally:
+            self._applying = False
+
+    def end_of_data(self) -> None:
+        """Closes the open windows as `partial` says (idempotent)."""
+        if self.state is None or self.options.partial == "carry":
+            return
+        host = self.host
+        if self._end_of_data_function is None:
+            pairs = [(self.state.accumulator, host.optimizer)] if self.state.accumulator else []
+            pairs += [(acc, optimizer) for acc, optimizer in self.state.own]
+
+            def close():
+                for acc, optimizer in pairs:
+                    _window.close_at_end(acc, optimizer, self.options.partial)
+                return tf.constant(True)
+
+            self._end_of_data_function = close if host.run_eagerly else tf.function(close)
+        self._applying = True
+        try:
+            with host.distribute_strategy.scope():
+                self._end_of_data_function()
+        finally:
+            self._applying = False
+
+    # Warnings --------------------------------------------------------------------
+
+    def warn_if_inexact(self) -> None:
+        state = self.state
+        if state is None or self._inexact_warned or not bool(state.inexact.numpy()):
+            return
+        self._inexact_warned = True
+        warnings.warn(
+            "weighting='exact' is approximate for this model: its loss terms have "
+            "normalizers that are not proportional across the micro-batches of a "
+            "window (e.g. outputs with their own masks), so one weight per "
+            "micro-batch cannot reproduce the large-batch loss. Use equal "
+            "micro-batches, or a `weighting` callable for your normalizer.",
+            stacklevel=2,
+        )
+
+    def warn_if_skipped(self) -> None:
+        state = self.state
+        if state is None or self.options.nonfinite != "skip":
+            return
+        if kc.is_loss_scale_optimizer(self.host.optimizer):
+            return  # loss scaling skips overflowing micro-batches by design
+        skipped = state.skipped
+        if skipped:
+            state.accumulators()[0]._warn_skipped(skipped, stacklevel=3)
+
+    def _warn_no_compiled_loss(self):
+        warnings.warn(
+            "weighting='exact' found no compiled loss (only `add_loss` terms): "
+            "micro-batches are weighted by their size.",
+            stacklevel=2,
+        )

@@ -1,0 +1,164 @@
+"""Screening micro-batches whose gradient is not finite, and loss-scale reactions.
+
+`nonfinite` is a policy: one of three ready names or a callable, as optax's
+`should_skip_update_fn`:
+
+- `"skip"` (default): a micro-batch whose gradient holds an inf or a nan is dropped
+  with its weight, counted, and warned about once;
+- `"raise"`: such a micro-batch stops training with an error naming it;
+- `"apply"`: every micro-batch is accumulated as it is (Keras's behaviour);
+- a callable `gradients -> bool` (a Python or tensor boolean): True skips the
+  micro-batch, as `"skip"` does, without a warning.
+
+Under a `LossScaleOptimizer` an overflowing micro-batch is always skipped and the
+loss scale backs off, as Keras's own optimizer does.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import tensorflow as tf
+
+from gradaccum._keras_compat import back_off_loss_scale  # noqa: F401 (re-exported)
+
+NONFINITE = ("skip", "raise", "apply")
+
+# The error of nonfinite="raise": its words around the micro-batch's number and its
+# place in the window.
+RAISE_WORDS = (
+    "gradaccum: a gradient is not finite (inf or nan) in micro-batch",
+    "(counted from 1; the micro-batch",
+    "of its window): nonfinite=raise stops here. Check the data and the loss of "
+    "that micro-batch, or use nonfinite=skip to drop it.",
+)
+
+
+def check_nonfinite(nonfinite):
+    """Returns `nonfinite` if it is one of the names or a callable, else raises."""
+    if callable(nonfinite) or (isinstance(nonfinite, str) and nonfinite in NONFINITE):
+        return nonfinite
+    raise ValueError(
+        "`nonfinite` must be one of 'skip', 'raise', 'apply' or a callable "
+        f"gradients -> bool (True skips the micro-batch). Received: nonfinite={nonfinite!r}"
+    )
+
+
+def policy_name(nonfinite) -> str:
+    """`nonfinite`'s name, `"callable"` for a user function."""
+    return "callable" if callable(nonfinite) else nonfinite
+
+
+def _values(gradient):
+    return gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
+
+
+def all_finite(gradients):
+    """Whether every gradient is finite, as a boolean scalar tensor.
+
+    One sum per gradient decides in the usual case (an inf or a nan makes its sum
+    non-finite). A sum that is not finite may also come from a finite gradient whose
+    float32 sum overflows: only then does an element-wise check decide, so the
+    screen costs one pass and reports no false positive.
+    """
+    values = [_values(g) for g in gradients if g is not None]
+    if not values:
+        return tf.constant(True)
+    sums = tf.stack([tf.reduce_sum(tf.cast(v, tf.float32)) for v in values])
+
+    def elementwise():
+        return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(v)) for v in values]))
+
+    return tf.cond(
+        tf.reduce_all(tf.math.is_finite(sums)), lambda: tf.constant(True), elementwise
+    )
+
+
+def user_skip(nonfinite, gradients):
+    """Calls a user's `nonfinite` callable and checks that it gives a boolean scalar."""
+    verdict = nonfinite(list(gradients))
+    verdict = tf.convert_to_tensor(verdict)
+    if verdict.dtype != tf.bool:
+        raise ValueError(
+            "The `nonfinite` callable must return a boolean (True: skip the "
+            f"micro-batch). Received: a value of dtype {verdict.dtype.name}"
+        )
+    if verdict.shape.rank is not None and verdict.shape.num_elements() != 1:
+        raise ValueError(
+            "The `nonfinite` callable must return a scalar boolean. "
+            f"Received: a value of shape {tuple(verdict.shape)}"
+        )
+    return tf.reshape(verdict, ())
+
+
+def accept(nonfinite, gradients):
+    """Whether a micro-batch is accumulated under `nonfinite`: a boolean tensor, or
+    None when the policy never skips (`"apply"`). `"raise"` gives the finiteness;
+    the caller raises."""
+    if nonfinite == "apply":
+        return None
+    if callable(nonfinite):
+        return tf.logical_not(user_skip(nonfinite, gradients))
+    return all_finite(gradients)
+
+
+def raise_message(micro_batch: int, position: int) -> str:
+    return f"{RAISE_WORDS[0]} {micro_batch} {RAISE_WORDS[1]} {position} {RAISE_WORDS[2]}"
+
+
+def assert_finite(finite, micro_batch, position):
+    """A graph assertion that raises nonfinite="raise"'s error when `finite` is False."""
+    return tf.debugging.Assert(
+        finite,
+        [RAISE_WORDS[0], micro_batch, RAISE_WORDS[1], position, RAISE_WORDS[2]],
+        summarize=1,
+    )
+
+
+def compiled_raise_message(skipped: int) -> str:
+    """nonfinite="raise" under jit_compile: XLA drops the assertion, so fit raises
+    after the compiled call."""
+    return (
+        f"gradaccum: a gradient is not finite (inf or nan) in {skipped} "
+        "micro-batch(es) of this compiled call (jit_compile: the micro-batch "
+        "was skipped, and the error is raised after the call): "
+        "nonfinite=raise stops here. Check the data and the loss, or use "
+        "nonfinite=skip to drop such micro-batches."
+    )
+
+
+def warn_skipped(count: int = 1, stacklevel: int = 4) -> None:
+    """The one warning of nonfinite="skip" (shown once per accumulator)."""
+    warnings.warn(
+        f"gradaccum skipped {count} micro-batch(es) whose gradient is not finite "
+        "(inf or nan): each is dropped with its weight and counted in `skipped` "
+        "(in fit's logs too; nonfinite='skip'; this warning is shown once). Pass "
+        "nonfinite='raise' to stop at the first, or nonfinite='apply' for Keras's "
+        "behaviour.",
+        stacklevel=stacklevel,
+    )
+
+
+def unscale_factor(loss_scale_optimizer, dtype):
+    """1 / the current loss scale."""
+    return tf.math.reciprocal(tf.cast(loss_scale_optimizer.dynamic_scale, dtype))
+
+
+def grow_loss_scale(optimizer) -> None:
+    """A finite micro-batch under loss scaling, counted as Keras's LossScaleOptimizer
+    counts finite steps: after `dynamic_growth_steps` in a row the scale doubles."""
+
+    def upscale():
+        optimizer.step_counter.assign(0)
+        optimizer.dynamic_scale.assign(optimizer.dynamic_scale * 2.0)
+        return tf.constant(True)
+
+    def increment():
+        optimizer.step_counter.assign_add(1)
+        return tf.constant(False)
+
+    tf.cond(
+        tf.equal(optimizer.step_counter, optimizer.dynamic_growth_steps - 1),
+        upscale,
+        increment,
+    )

@@ -1,0 +1,94 @@
+"""The accumulator's saved state, declared once.
+
+`AccumulatorState` is the one record of what a `GradientAccumulator` keeps between
+micro-batches: TensorFlow variables with stable names, saved by
+`tf.train.Checkpoint` (as attributes of this module) and by the fit integration
+(through `named()`), so both read the same declaration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import tensorflow as tf
+
+from gradaccum._distributed import COUNTED, SUMMED
+from gradaccum._validation import variable_name
+
+
+class Untracked:
+    """Holds objects without making them checkpoint dependencies of a module.
+
+    The accumulator refers to the model's variables but does not own them: a
+    checkpoint of the accumulator saves the accumulation state only.
+    """
+
+    def __init__(self, value):
+        self.value = value
+
+
+class AccumulatorState(tf.Module):
+    """The state of a gradient accumulator.
+
+    Fields (variables; replica-local under tf.distribute, summed or first-replica
+    when read or saved):
+
+    - `accumulators`: one per target variable, the window's weighted gradient sum.
+    - `received`: per target variable, how many micro-batches of the open window
+      gave it a gradient. A variable with none is left out of the update, as Keras
+      leaves out a `None` gradient; decided when the window closes, at run time.
+    - `total_weight`: the sum of the window's micro-batch weights.
+    - `micro_step`: micro-batches accumulated in the open window.
+    - `window_skipped`: micro-batches of the open window skipped as not finite (they
+      count towards its length).
+    - `skipped`: micro-batches skipped in all.
+    - `micro_batches`: micro-batches presented since creation, skipped ones included.
+    """
+
+    FIELDS = (
+        "received",
+        "total_weight",
+        "micro_step",
+        "window_skipped",
+        "skipped",
+        "micro_batches",
+    )
+
+    def __init__(self, variables, accumulator_dtype, strategy=None, name="state"):
+        super().__init__(name=name)
+        weight_dtype = tf.float64 if accumulator_dtype == tf.float64 else tf.float32
+        scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
+        with scope:
+            self.accumulators = [
+                tf.Variable(
+                    tf.zeros(v.shape, accumulator_dtype),
+                    name=f"accumulator/{variable_name(v)}",
+                    **SUMMED,
+                )
+                for v in variables
+            ]
+            # Of the weights' dtype: it travels in the same reduction as the weights.
+            self.received = tf.Variable(
+                tf.zeros([len(self.accumulators)], weight_dtype), name="received", **SUMMED
+            )
+            self.total_weight = tf.Variable(
+                tf.constant(0, weight_dtype), name="total_weight", **SUMMED
+            )
+            int64 = dict(COUNTED, dtype=tf.int64)
+            self.micro_step = tf.Variable(0, name="micro_step", **int64)
+            self.window_skipped = tf.Variable(0, name="window_skipped", **int64)
+            self.skipped = tf.Variable(0, name="skipped", **int64)
+            self.micro_batches = tf.Variable(0, name="micro_batches", **int64)
+
+    def named(self) -> dict[str, tf.Variable]:
+        """Every variable under its stable name (`accumulator_<i>` and the fields)."""
+        named = {f"accumulator_{i}": v for i, v in enumerate(self.accumulators)}
+        named.update({field: getattr(self, field) for field in self.FIELDS})
+        return named
+
+    def reset_window(self) -> None:
+        """Empties the open window; the running totals stay."""
+        for variable in (*self.accumulators, self.received, self.total_weight):
+            variable.assign(tf.zeros_like(variable))
+        self.micro_step.assign(0)
+        self.window_skipped.assign(0)

@@ -1,0 +1,270 @@
+"""`gradaccum.accumulate(model, steps=k)`: accumulation inside the model's own fit.
+
+The model stays the user's object, of its own class: its `fit` (a KerasHub task's
+preprocessing included), `compile` defaults, `train_step`, `compute_loss` and `call`
+all run. gradaccum adds instance attributes that route the training path through
+`_fit.Accumulation` and removes them again in `disable`; the class, its config and
+what `model.save()` writes are untouched, so a saved model loads without gradaccum.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import keras
+import numpy as np
+
+from gradaccum import _keras_compat as kc
+from gradaccum._distributed import check_loss_scaling_replicas, distribution_of
+from gradaccum._fit import Accumulation, Options, uses_default_train_step
+from gradaccum._validation import check_optimizer
+from gradaccum.weighting import record_normalizers
+
+# The instance attributes gradaccum sets on an accumulating model.
+_ATTRIBUTE = "_gradaccum_accumulation"
+_OVERRIDES = (
+    "compile",
+    "fit",
+    "evaluate",
+    "train_step",
+    "make_train_function",
+    "save_weights",
+    "load_weights",
+)
+SIDECAR = ".gradaccum.npz"
+
+
+def accumulation_of(model) -> Accumulation | None:
+    """The accumulation attached to `model` by `accumulate`, or None."""
+    return getattr(model, "__dict__", {}).get(_ATTRIBUTE)
+
+
+def accumulate(
+    model,
+    steps: int,
+    *,
+    weighting="exact",
+    partial: str = "flush",
+    reduction: str = "mean",
+    accumulator_dtype="float32",
+    nonfinite="skip",
+):
+    """Makes `model`'s own `fit` train with exact gradient accumulation.
+
+    Each batch `fit` gives the model's training step is a micro-batch; every
+    `steps` micro-batches each optimizer makes one update with the combined
+    gradient, which equals one step on the concatenated window. Everything the
+    model's class defines runs unchanged: its `fit` (a KerasHub task applies its
+    preprocessor there), `compile` and its defaults, `train_step`, `compute_loss`,
+    `call`.
+
+    - A model that uses Keras's default `train_step` trains with gradaccum's exact
+      step: the model's own loss (`compute_loss`, the compiled loss, regularizers)
+      weighted by the micro-batch's normalizer.
+    - A model whose class defines `train_step` runs it; gradaccum accumulates what
+      it hands to an optimizer (`optimizer.apply_gradients` or `optimizer.apply`),
+      each optimizer of the model separately (a GAN's two), and applies each once
+      per window. The micro-batch's weight is the normalizer of the compiled loss
+      when the step computed it (`self.compute_loss`, `self.compiled_loss`), else
+      the micro-batch's size; `weighting="uniform"` or a callable overrides both.
+
+    The optimizer's `iterations`, schedules, clipping, weight decay and EMA count
+    updates. `fit`'s logs gain `updates` (the optimizer's update count) and
+    `skipped` (micro-batches dropped for a non-finite gradient). `compile` defaults
+    `steps_per_execution` to the window (`steps`; 1 under several replicas); pass
+    it to choose. `model.save()` writes the model as Keras would; `save_weights`
+    (and so `keras.callbacks.BackupAndRestore`) also writes the open window beside
+    the weights file (`<file>.gradaccum.npz`), so a run resumed in the middle of a
+    window goes on exactly.
+
+    Args:
+        model: a `keras.Model`, compiled or not; it is returned.
+        steps: micro-batches per update (k), an integer >= 1.
+        weighting: `"exact"` (default), `"uniform"` or a callable
+            `(x, y, sample_weight) -> weight`, as in `gradaccum.wrap`.
+        partial: `"flush"` (default), `"carry"` or `"drop"`: what happens to a window
+            the data ends in the middle of.
+        reduction: `"mean"` (default) or `"sum"`.
+        accumulator_dtype: dtype of the accumulators (float32 by default).
+        nonfinite: `"skip"` (default), `"raise"`, `"apply"` or a callable
+            `gradients -> bool`, as in `gradaccum.GradientAccumulator`.
+
+    Returns:
+        `model` itself.
+
+    Raises:
+        ValueError: if `model` is not a Keras model or accumulates already, on an
+            invalid option, or (at compile) an optimizer that accumulates itself.
+
+    Example:
+
+    >>> import keras, numpy as np, gradaccum
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    >>> model = gradaccum.accumulate(model, steps=4)
+    >>> model.compile(optimizer="adam", loss="mse")
+    >>> x, y = np.ones((100, 4)), np.zeros((100, 1))
+    >>> history = model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    >>> history.history["updates"]  # 13 micro-batches per epoch: 3 windows + 1 partial
+    [4.0, 8.0]
+    >>> model = gradaccum.disable(model)  # plain Keras training again
+    """
+    from gradaccum.keras_model import AccumulatingModel
+
+    if not isinstance(model, keras.Model):
+        raise ValueError(
+            "`model` must be a keras.Model. "
+            f"Received: model={model!r} of type {type(model).__name__}"
+        )
+    if accumulation_of(model) is not None or isinstance(model, AccumulatingModel):
+        raise ValueError(
+            "`model` must be a keras.Model that gradaccum does not accumulate for "
+            f"already. Received: model={model.name!r}, which accumulates already. Call "
+            "`gradaccum.disable(model)` first to change its options."
+        )
+    options = Options(steps, weighting, partial, reduction, accumulator_dtype, nonfinite)
+    if model.built:
+        distribution_of(model.trainable_variables)
+    accumulation = Accumulation(options, layers=model)
+    own_step = None if uses_default_train_step(model) else model.train_step
+    accumulation.attach(model, own_step)
+    _install(model, accumulation)
+    if kc.compile_config(model) is not None:
+        _recompile(model, accumulation, user_config=kc.compile_config(model),
+                   steps_per_execution_given=True)
+    return model
+
+
+def disable(model):
+    """Turns off what `gradaccum.accumulate` turned on: `model` trains as Keras does.
+
+    An open window is closed first as `partial` says (`"flush"` applies it,
+    `"drop"` discards it; with `"carry"` a non-empty window is discarded with a
+    warning). The model's compile is restored as the user made it.
+
+    Args:
+        model: a model returned by `gradaccum.accumulate`.
+
+    Returns:
+        `model` itself.
+
+    Raises:
+        ValueError: if gradaccum does not accumulate for `model`.
+
+    Example:
+
+    >>> import keras, gradaccum
+    >>> model = gradaccum.accumulate(keras.Sequential([keras.layers.Dense(1)]), steps=2)
+    >>> gradaccum.disable(model) is model
+    True
+    """
+    accumulation = accumulation_of(model) if isinstance(model, keras.Model) else None
+    if accumulation is None:
+        raise ValueError(
+            "`model` must be a model that gradaccum accumulates for (returned by "
+            f"`gradaccum.accumulate`). Received: {model!r}"
+        )
+    state = accumulation.state
+    if state is not None:
+        if accumulation.options.partial == "carry":
+            pending = sum(int(acc.window_length().numpy()) for acc in state.accumulators())
+            if pending:
+                warnings.warn(
+                    f"gradaccum.disable discards an open window of {pending} "
+                    "micro-batch(es) (partial='carry' keeps windows open across fits).",
+                    stacklevel=2,
+                )
+        else:
+            accumulation.end_of_data()
+    user_config = accumulation.user_compile_config
+    for name in (*_OVERRIDES, _ATTRIBUTE):
+        model.__dict__.pop(name, None)
+    if user_config is not None:
+        config = dict(user_config, optimizer=model.optimizer)
+        keras.Model.compile(model, **config)
+        kc.set_compile_config(model, user_config)
+    model.train_function = None
+    return model
+
+
+def _install(model, accumulation: Accumulation) -> None:
+    """Sets the instance attributes that route `model`'s training through
+    `accumulation` (bypassing Keras's attribute tracking: they are not state)."""
+    cls = type(model)
+
+    def compile(*args, **kwargs):
+        cls.compile(model, *args, **kwargs)
+        _recompile(model, accumulation, user_config=kc.compile_config(model),
+                   steps_per_execution_given="steps_per_execution" in kwargs)
+
+    def fit(x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
+            **kwargs):
+        def own_fit(*args, **kw):
+            return cls.fit(model, *args, **kw)
+
+        return accumulation.fit(own_fit, x, y, batch_size, epochs, verbose, callbacks, kwargs)
+
+    def evaluate(*args, **kwargs):
+        accumulation.before_evaluate(kwargs)
+        return cls.evaluate(model, *args, **kwargs)
+
+    def train_step(data):
+        return accumulation.train_step(data)
+
+    def make_train_function(force=False):
+        accumulation.ensure_state()
+        return cls.make_train_function(model, force=force)
+
+    def save_weights(filepath, *args, **kwargs):
+        result = cls.save_weights(model, filepath, *args, **kwargs)
+        store = {}
+        accumulation.save_to(store)
+        if store:
+            np.savez(_sidecar(filepath), **store)
+        return result
+
+    def load_weights(filepath, *args, **kwargs):
+        result = cls.load_weights(model, filepath, *args, **kwargs)
+        path = _sidecar(filepath)
+        if os.path.exists(path):
+            with np.load(path) as store:
+                accumulation.load_from({key: store[key] for key in store.files})
+        return result
+
+    for name, method in (
+        ("compile", compile),
+        ("fit", fit),
+        ("evaluate", evaluate),
+        ("train_step", train_step),
+        ("make_train_function", make_train_function),
+        ("save_weights", save_weights),
+        ("load_weights", load_weights),
+        (_ATTRIBUTE, accumulation),
+    ):
+        model.__dict__[name] = method
+
+
+def _sidecar(filepath) -> str:
+    # np.savez appends ".npz" to a name without it.
+    return os.fspath(filepath) + SIDECAR
+
+
+def _recompile(model, accumulation, *, user_config, steps_per_execution_given):
+    """Compiles `model` again as its own compile did, with the losses recording
+    their normalizers and the window as `steps_per_execution`; the model keeps
+    the user's compile as the one it saves."""
+    if user_config is None:
+        return
+    accumulation.user_compile_config = user_config
+    check_optimizer(model.optimizer)
+    config = dict(user_config, optimizer=model.optimizer)
+    if accumulation.options.weighting == "exact" and config.get("loss") is not None:
+        config["loss"] = record_normalizers(config["loss"], accumulation.normalizers)
+    if not steps_per_execution_given:
+        replicas = model.distribute_strategy.num_replicas_in_sync
+        config["steps_per_execution"] = accumulation.options.steps if replicas == 1 else 1
+    keras.Model.compile(model, **config)
+    kc.set_compile_config(model, user_config)
+    if kc.is_loss_scale_optimizer(model.optimizer):
+        check_loss_scaling_replicas(model.distribute_strategy)
+    accumulation.forget()
