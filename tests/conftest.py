@@ -71,3 +71,39 @@ def assert_same_state(model_a, opt_a, model_b, opt_b, rtol=1e-5, atol=1e-6):
 def _fresh_keras_session():
     keras.utils.clear_session()
     yield
+
+
+# The two doors: `gradaccum.wrap` (an AccumulatingModel trainer) and
+# `gradaccum.accumulate` (the user's model trains with accumulation itself).
+DOORS = ("wrap", "accumulate")
+
+
+@pytest.fixture(params=DOORS)
+def door(request):
+    """Each test that trains through gradaccum runs once per door."""
+    return request.param
+
+
+def make_trainer(door, model, **options):
+    """What to compile and fit: `wrap`'s trainer, or `model` itself accumulating."""
+    import gradaccum
+
+    if door == "wrap":
+        return gradaccum.wrap(model, **options)
+    if door == "accumulate":
+        return gradaccum.accumulate(model, **options)
+    raise ValueError(f"unknown door {door!r}")
+
+
+def trained(door, trainer):
+    """The Keras model that holds the trained weights."""
+    return trainer.model if door == "wrap" else trainer
+
+
+def fit_state(trainer):
+    """The accumulation state of fit (None before the first training step)."""
+    import gradaccum
+
+    if isinstance(trainer, gradaccum.AccumulatingModel):
+        return trainer._fit_state
+    return gradaccum.attach.accumulation_of(trainer).state
