@@ -7,15 +7,14 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import gradaccum
-from conftest import OPTIMIZERS, make_data, make_mlp
+from conftest import OPTIMIZERS, fit_state, make_data, make_mlp, make_trainer
 
 SCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def trained(x, y, steps, batch_size, partial="flush", epochs=1, data=None):
+def trained(door, x, y, steps, batch_size, partial="flush", epochs=1, data=None):
     model = make_mlp()
-    trainer = gradaccum.wrap(model, steps=steps, partial=partial)
+    trainer = make_trainer(door, model, steps=steps, partial=partial)
     trainer.compile(optimizer=OPTIMIZERS["adam"](), loss=SCE)
     if data is None:
         history = trainer.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False,
@@ -42,10 +41,10 @@ EMPTY = "`fit` must receive at least one micro-batch. Received: data that yielde
 EMPTY += "batch (an empty dataset or array), so nothing was accumulated or applied."
 
 
-def test_empty_dataset_is_a_clear_error():
+def test_empty_dataset_is_a_clear_error(door):
     x, y = np.zeros((0, 5), "float32"), np.zeros((0,), "int64")
     empty = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
-    trainer = gradaccum.wrap(make_mlp(), steps=2)
+    trainer = make_trainer(door, make_mlp(), steps=2)
     trainer.compile(optimizer="sgd", loss=SCE)
     with pytest.raises(ValueError) as info:
         trainer.fit(empty, verbose=0)
@@ -53,11 +52,11 @@ def test_empty_dataset_is_a_clear_error():
     assert int(trainer.optimizer.iterations) == 0
 
 
-def test_empty_data_for_an_unbuilt_model_says_so():
+def test_empty_data_for_an_unbuilt_model_says_so(door):
     empty = tf.data.Dataset.from_tensor_slices(
         (np.zeros((0, 5), "float32"), np.zeros((0,), "int64"))
     ).batch(4)
-    trainer = gradaccum.wrap(keras.Sequential([keras.layers.Dense(3)], name="net"), steps=2)
+    trainer = make_trainer(door, keras.Sequential([keras.layers.Dense(3)], name="net"), steps=2)
     trainer.compile(optimizer="sgd", loss=SCE)
     with pytest.raises(ValueError, match=r"model 'net' that is not built \(fit builds it "
                                          r"from its first batch: is the data empty\?\)"):
@@ -66,31 +65,31 @@ def test_empty_data_for_an_unbuilt_model_says_so():
 
 @pytest.mark.parametrize("partial, updates, open_after", [("flush", 1, 0), ("drop", 0, 0),
                                                           ("carry", 0, 3)])
-def test_data_shorter_than_one_window(partial, updates, open_after):
+def test_data_shorter_than_one_window(door, partial, updates, open_after):
     x, y = make_data(5)  # micro-batches 2, 2, 1; steps 4
-    model, trainer, history = trained(x, y, steps=4, batch_size=2, partial=partial)
+    model, trainer, history = trained(door, x, y, steps=4, batch_size=2, partial=partial)
     assert history.history["updates"] == [float(updates)]
-    assert int(trainer._fit_state.accumulator.micro_step) == open_after
+    assert int(fit_state(trainer).accumulator.micro_step) == open_after
     expected = reference(x, y, [np.arange(5)] if updates else [])
     assert_same_weights(model, expected)
 
 
-def test_micro_batches_of_one_sample():
+def test_micro_batches_of_one_sample(door):
     x, y = make_data(7)
-    model, _, history = trained(x, y, steps=3, batch_size=1)
+    model, _, history = trained(door, x, y, steps=3, batch_size=1)
     assert history.history["updates"] == [3.0]
     assert_same_weights(model, reference(x, y, [np.r_[0:3], np.r_[3:6], np.r_[6:7]]))
 
 
-def test_last_micro_batch_of_one_sample():
+def test_last_micro_batch_of_one_sample(door):
     x, y = make_data(9)  # 4, 4, 1
-    model, _, history = trained(x, y, steps=2, batch_size=4, epochs=2)
+    model, _, history = trained(door, x, y, steps=2, batch_size=4, epochs=2)
     assert history.history["updates"] == [2.0, 4.0]
     windows = [np.r_[0:8], np.r_[8:9]] * 2
     assert_same_weights(model, reference(x, y, windows))
 
 
-def test_inputs_of_unknown_batch_size_and_length():
+def test_inputs_of_unknown_batch_size_and_length(door):
     """A generator dataset: no known batch dimension, no known number of batches;
     the partial window is closed when the data ends."""
     x, y = make_data(14)
@@ -105,7 +104,7 @@ def test_inputs_of_unknown_batch_size_and_length():
     spec = (tf.TensorSpec([None, 5], tf.float32), tf.TensorSpec([None], tf.int64))
     data = tf.data.Dataset.from_generator(generate, output_signature=spec)
     assert data.cardinality() == tf.data.UNKNOWN_CARDINALITY
-    model, _, history = trained(None, None, steps=2, batch_size=None, data=data, epochs=2)
+    model, _, history = trained(door, None, None, steps=2, batch_size=None, data=data, epochs=2)
     assert history.history["updates"] == [3.0, 6.0]
     windows = [np.r_[0:7], np.r_[7:12], np.r_[12:14]] * 2
     assert_same_weights(model, reference(x, y, windows))
