@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gradaccum
-from conftest import OPTIMIZERS, grads_of, make_mlp
+from conftest import OPTIMIZERS, fit_state, grads_of, make_mlp, make_trainer
 
 SETTINGS = dict(
     derandomize=True,
@@ -115,7 +115,7 @@ def test_accumulator_equals_the_large_batch(sizes, steps, partial, reduction, we
     epochs=st.integers(1, 2),
     optimizer=st.sampled_from(["adam", "sgd_nesterov", "rmsprop"]),
 )
-def test_fit_equals_the_large_batch(n, batch_size, steps, partial, epochs, optimizer):
+def test_fit_equals_the_large_batch(door, n, batch_size, steps, partial, epochs, optimizer):
     keras.utils.clear_session()
     x, y = data(n)
     micro = [np.arange(i, min(i + batch_size, n)) for i in range(0, n, batch_size)]
@@ -128,7 +128,7 @@ def test_fit_equals_the_large_batch(n, batch_size, steps, partial, epochs, optim
             windows += windows_of(micro, steps, partial)[0]
 
     model = make_mlp()
-    trainer = gradaccum.wrap(model, steps=steps, partial=partial)
+    trainer = make_trainer(door, model, steps=steps, partial=partial)
     sce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     trainer.compile(optimizer=OPTIMIZERS[optimizer](), loss=sce)
     history = trainer.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False,
@@ -142,4 +142,4 @@ def test_fit_equals_the_large_batch(n, batch_size, steps, partial, epochs, optim
     assert history.history["updates"][-1] == len(windows)
     for a, b in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
-    assert int(trainer._fit_state.accumulator.micro_step) == len(rest)
+    assert int(fit_state(trainer).accumulator.micro_step) == len(rest)
