@@ -1,0 +1,368 @@
+"""gradaccum.accumulate / disable: the user's own model, class and fit, checked
+against the same model trained on the concatenated windows (issue 14)."""
+
+from __future__ import annotations
+
+import json
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import gradaccum
+from gradaccum.attach import accumulation_of
+
+SCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def data(n=40, seed=1):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, 6)).astype("float32"), rng.integers(0, 3, size=n)
+
+
+def seeded(model, seed=0):
+    """Builds `model` and draws its weights from a NumPy generator."""
+    model(np.zeros((1, 6), "float32"))
+    rng = np.random.default_rng(seed)
+    model.set_weights([rng.normal(0, 0.5, w.shape).astype(w.dtype) for w in model.get_weights()])
+    return model
+
+
+def max_gap(a, b):
+    return max(float(np.abs(va - vb).max()) for va, vb in zip(a.get_weights(), b.get_weights()))
+
+
+def assert_weights_close(a, b, rtol=1e-5, atol=1e-6):
+    wa, wb = a.get_weights(), b.get_weights()
+    assert len(wa) == len(wb)
+    for va, vb in zip(wa, wb):
+        np.testing.assert_allclose(va, vb, rtol=rtol, atol=atol)
+
+
+class Plain(keras.Model):
+    """Keras's default train_step."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+class Penalized(Plain):
+    """Overrides `compute_loss`: the compiled loss plus a penalty on the logits."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        loss = super().compute_loss(x, y, y_pred, sample_weight, training=training)
+        return loss + 0.1 * keras.ops.mean(keras.ops.square(y_pred))
+
+
+class OwnStep(Plain):
+    """Defines its own train_step, handing gradients to `self.optimizer`."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+            loss = loss + 0.05 * keras.ops.mean(keras.ops.abs(y_pred))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return {"loss": loss}
+
+
+class NoApply(Plain):
+    """A train_step that never hands gradients to an optimizer."""
+
+    def train_step(self, data):
+        x, y = data
+        return {"loss": self.compute_loss(x=x, y=y, y_pred=self(x, training=True))}
+
+
+class TwoOptimizers(keras.Model):
+    """GAN-style: two sub-networks, each with its own optimizer and loss. Both
+    gradients are computed before either is applied."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.net_a = keras.Sequential(
+            [keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)], name="net_a"
+        )
+        self.net_b = keras.Sequential(
+            [keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)], name="net_b"
+        )
+
+    def call(self, x):
+        return self.net_b(keras.ops.softmax(self.net_a(x)))
+
+    def compile(self, opt_a, opt_b, **kwargs):
+        super().compile(**kwargs)
+        self.opt_a = opt_a
+        self.opt_b = opt_b
+
+    def train_step(self, data):
+        x, y = data
+        target = keras.ops.cast(keras.ops.expand_dims(y, -1), "float32")
+        with tf.GradientTape(persistent=True) as tape:
+            logits = self.net_a(x, training=True)
+            judged = self.net_b(keras.ops.softmax(logits), training=True)
+            loss_a = keras.ops.mean(
+                keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
+            ) + 0.1 * keras.ops.mean(keras.ops.square(judged))
+            loss_b = keras.ops.mean(keras.ops.square(judged - target))
+        grads_a = tape.gradient(loss_a, self.net_a.trainable_variables)
+        grads_b = tape.gradient(loss_b, self.net_b.trainable_variables)
+        del tape
+        self.opt_a.apply_gradients(zip(grads_a, self.net_a.trainable_variables))
+        self.opt_b.apply_gradients(zip(grads_b, self.net_b.trainable_variables))
+        return {"loss_a": loss_a, "loss_b": loss_b}
+
+
+def compiled(model, **kwargs):
+    model.compile(keras.optimizers.Adam(0.05), SCE, **kwargs)
+    return model
+
+
+# A model's own compute_loss / train_step ---------------------------------------------
+
+
+@pytest.mark.parametrize("cls", [Penalized, OwnStep], ids=["compute_loss", "train_step"])
+def test_own_class_equals_its_training_on_the_windows(cls):
+    x, y = data(40)  # 10 micro-batches of 4 per epoch, steps 3: windows 12, 12, 12, 4
+    model = seeded(cls())
+    assert gradaccum.accumulate(model, steps=3) is model
+    compiled(model)
+    history = model.fit(x, y, batch_size=4, epochs=3, shuffle=False, verbose=0)
+
+    reference = compiled(seeded(cls()))
+    reference.fit(x, y, batch_size=12, epochs=3, shuffle=False, verbose=0)
+    assert max_gap(model, reference) > 0  # both trained; not the same object
+    assert_weights_close(model, reference, rtol=1e-5)
+    assert int(model.optimizer.iterations) == int(reference.optimizer.iterations) == 12
+    assert history.history["updates"] == [4.0, 8.0, 12.0]
+    assert type(model) is cls
+
+    # gradaccum.wrap runs Keras's default step on the inner model: it ignores the
+    # class's compute_loss / train_step, and is far off.
+    inner = seeded(cls())
+    with pytest.warns(UserWarning, match="will not run"):
+        trainer = gradaccum.wrap(inner, steps=3)
+    compiled(trainer)
+    trainer.fit(x, y, batch_size=4, epochs=3, shuffle=False, verbose=0)
+    assert max_gap(inner, reference) > 1e-2
+
+
+def test_two_optimizers_each_update_once_per_window():
+    x, y = data(40)
+
+    def make():
+        model = seeded(TwoOptimizers())
+        model.compile(keras.optimizers.Adam(0.05), keras.optimizers.SGD(0.2, momentum=0.5))
+        return model
+
+    model = make()
+    gradaccum.accumulate(model, steps=3)
+    # compile after accumulate: the custom compile signature runs as the class wrote it
+    model.compile(keras.optimizers.Adam(0.05), keras.optimizers.SGD(0.2, momentum=0.5))
+    model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+
+    reference = make()
+    reference.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    assert int(model.opt_a.iterations) == int(reference.opt_a.iterations) == 8
+    assert int(model.opt_b.iterations) == int(reference.opt_b.iterations) == 8
+    assert max_gap(model, seeded(TwoOptimizers())) > 1e-2
+    assert_weights_close(model, reference, rtol=1e-5)
+    state = accumulation_of(model).state
+    owners = [optimizer for _, optimizer in state.own]
+    assert any(o is model.opt_a for o in owners) and any(o is model.opt_b for o in owners)
+
+
+# Bad input ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("obj", [keras.layers.Dense(3), "model", None])
+def test_accumulate_refuses_what_is_not_a_keras_model(obj):
+    with pytest.raises(ValueError) as info:
+        gradaccum.accumulate(obj, steps=2)
+    assert str(info.value) == (
+        f"`model` must be a keras.Model. Received: model={obj!r} of type {type(obj).__name__}"
+    )
+
+
+def already(name):
+    return (
+        "`model` must be a keras.Model that gradaccum does not accumulate for "
+        f"already. Received: model={name!r}, which accumulates already. Call "
+        "`gradaccum.disable(model)` first to change its options."
+    )
+
+
+def test_accumulate_refuses_a_model_accumulating_already():
+    model = gradaccum.accumulate(Plain(name="twice"), steps=2)
+    with pytest.raises(ValueError) as info:
+        gradaccum.accumulate(model, steps=4)
+    assert str(info.value) == already("twice")
+    assert accumulation_of(model).options.steps == 2
+
+
+def test_accumulate_refuses_a_wrap_trainer():
+    trainer = gradaccum.wrap(Plain(), steps=2)
+    with pytest.raises(ValueError) as info:
+        gradaccum.accumulate(trainer, steps=2)
+    assert str(info.value) == already(trainer.name)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(steps=0), "`steps` must be an integer >= 1. Received: steps=0"),
+        (dict(steps=2.5), "`steps` must be an integer >= 1. Received: steps=2.5"),
+        (dict(steps=None), "`steps` must be an integer >= 1. Received: steps=None"),
+        (dict(steps=2, partial="x"),
+         "`partial` must be one of 'flush', 'carry', 'drop'. Received: partial='x'"),
+        (dict(steps=2, reduction="max"),
+         "`reduction` must be one of 'mean', 'sum'. Received: reduction='max'"),
+        (dict(steps=2, weighting="tokens"),
+         "`weighting` must be one of 'exact', 'uniform' or a callable "
+         "(x, y, sample_weight) -> weight. Received: weighting='tokens'"),
+    ],
+    ids=["steps0", "steps2.5", "stepsNone", "partial", "reduction", "weighting"],
+)
+def test_accumulate_invalid_options(options, message):
+    model = Plain()
+    with pytest.raises(ValueError) as info:
+        gradaccum.accumulate(model, **options)
+    assert str(info.value) == message
+    assert accumulation_of(model) is None  # nothing attached on a refusal
+
+
+@pytest.mark.parametrize("obj", [Plain(name="plain"), "model", None])
+def test_disable_refuses_a_model_not_accumulating(obj):
+    with pytest.raises(ValueError) as info:
+        gradaccum.disable(obj)
+    assert str(info.value) == (
+        "`model` must be a model that gradaccum accumulates for (returned by "
+        f"`gradaccum.accumulate`). Received: {obj!r}"
+    )
+
+
+def test_disable_twice_is_refused():
+    model = gradaccum.disable(gradaccum.accumulate(Plain(), steps=2))
+    with pytest.raises(ValueError, match="must be a model that gradaccum accumulates for"):
+        gradaccum.disable(model)
+
+
+def test_train_step_that_never_applies_gradients_is_refused_at_fit():
+    x, y = data(8)
+    model = compiled(gradaccum.accumulate(seeded(NoApply()), steps=2))
+    before = model.get_weights()
+    with pytest.raises(ValueError) as info:
+        model.fit(x, y, batch_size=4, verbose=0)
+    assert str(info.value) == (
+        "The train_step of NoApply must hand its gradients to an optimizer of the model "
+        "(`self.optimizer.apply_gradients(...)` or `.apply(...)`) for gradaccum to "
+        "accumulate them. Received: a step that called neither on any optimizer "
+        "attribute of the model, so nothing would be trained."
+    )
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+# disable, and the order of accumulate and compile ------------------------------------
+
+
+def test_disable_restores_plain_keras_training_and_the_users_compile():
+    x, y = data(40)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model = seeded(Plain())
+    gradaccum.accumulate(model, steps=3)
+    model.compile(keras.optimizers.Adam(0.05), loss)
+    assert model.loss is not loss  # gradaccum's normalizer-recording wrapper
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations) == 4
+
+    assert gradaccum.disable(model) is model
+    assert accumulation_of(model) is None
+    assert model.loss is loss
+    assert "fit" not in vars(model) and "train_step" not in vars(model)
+    history = model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert "updates" not in history.history
+    assert int(model.optimizer.iterations) == 4 + 10  # one update per batch again
+
+    reference = seeded(Plain())
+    reference.compile(keras.optimizers.Adam(0.05), loss)
+    reference.fit(x, y, batch_size=12, epochs=1, shuffle=False, verbose=0)
+    reference.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(model, reference, rtol=1e-5)
+
+
+def test_disable_flushes_an_open_window():
+    x, y = data(8)
+    model = seeded(Plain())
+    gradaccum.accumulate(model, steps=3, partial="carry")
+    compiled(model)
+    model.fit(x[:8], y[:8], batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations) == 0  # 2 micro-batches carried
+    with pytest.warns(UserWarning, match="discards an open window of 2 micro-batch"):
+        gradaccum.disable(model)
+
+
+def test_accumulate_before_or_after_compile_gives_the_same_weights():
+    x, y = data(40)
+    before = gradaccum.accumulate(seeded(Plain()), steps=3)
+    compiled(before)
+    after = gradaccum.accumulate(compiled(seeded(Plain())), steps=3)
+    for model in (before, after):
+        model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    reference = compiled(seeded(Plain()))
+    reference.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(before, after, rtol=1e-6, atol=1e-7)
+    assert_weights_close(before, reference, rtol=1e-5)
+    assert int(before.optimizer.iterations) == int(after.optimizer.iterations) == 8
+
+
+# BackupAndRestore ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", [Plain, OwnStep], ids=["default_step", "own_train_step"])
+def test_backup_and_restore_resumes_mid_window_exactly(tmp_path, cls):
+    x, y = data(10)  # 5 micro-batches of 2 per epoch, steps 3
+    epochs = 3
+
+    def make(seed=0):
+        model = gradaccum.accumulate(seeded(cls(), seed), steps=3)
+        # One micro-batch per call, so that the crash can land inside a window.
+        model.compile(keras.optimizers.Adam(0.05), SCE, steps_per_execution=1)
+        return model
+
+    full = make()
+    full.fit(x, y, batch_size=2, epochs=epochs, shuffle=False, verbose=0)
+
+    class Crash(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            if (self.epoch, batch) == (1, 1):
+                raise RuntimeError("simulated crash")
+
+    backup = str(tmp_path / "backup")
+    model = make()
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        model.fit(x, y, batch_size=2, epochs=epochs, shuffle=False, verbose=0,
+                  callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=1), Crash()])
+    meta = json.loads((tmp_path / "backup" / "training_metadata.json").read_text())
+    assert meta["epoch"] == 1
+    assert max_gap(model, full) > 1e-4
+    # The crash left a window of 2 micro-batches open: the sidecar holds it.
+    assert any(p.name.endswith(".gradaccum.npz") for p in (tmp_path / "backup").iterdir())
+
+    keras.utils.clear_session()
+    resumed = make(seed=11)  # fresh weights: everything must come from the backup
+    resumed.fit(x, y, batch_size=2, epochs=epochs, shuffle=False, verbose=0,
+                callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=1)])
+    assert_weights_close(resumed, full, rtol=1e-6, atol=1e-7)
+    assert int(resumed.optimizer.iterations) == int(full.optimizer.iterations) == 6
