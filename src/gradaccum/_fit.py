@@ -318,6 +318,12 @@ class Accumulation:
             return
         host = self.host
         layers = self._layers.value
+        if self._own_step is not None and not host.built:
+            # A subclassed model with its own step is built by its first step:
+            # its accumulators are made when the step hands gradients over.
+            self.state = FitState(None)
+            self._restore_pending()
+            return
         if not layers.built:
             raise ValueError(
                 "The wrapped model must be built before its accumulation state is "

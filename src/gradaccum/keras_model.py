@@ -10,6 +10,8 @@ and `compute_loss`; `wrap` stays for code written against it.
 
 from __future__ import annotations
 
+import warnings
+
 import keras
 
 from gradaccum import _keras_compat as kc
@@ -79,6 +81,7 @@ class AccumulatingModel(keras.Model):
         if model.built:
             distribution_of(model.trainable_variables)
         options = Options(steps, weighting, partial, reduction, accumulator_dtype, nonfinite)
+        _warn_if_own_training(model)
         kwargs.setdefault("name", f"gradaccum_{model.name}")
         super().__init__(**kwargs)
         self.model = model
@@ -188,6 +191,24 @@ class AccumulatingModel(keras.Model):
         self._accumulation.load_from(store)
         super().load_own_variables(
             {k: store[k] for k in store.keys() if not k.startswith("gradaccum_")}
+        )
+
+
+def _warn_if_own_training(model) -> None:
+    """wrap trains with the wrapper's step and compiled loss: a model whose class
+    defines its own would silently get another objective."""
+    own = [
+        name
+        for name in ("fit", "train_step", "compute_loss")
+        if getattr(type(model), name) is not getattr(keras.Model, name)
+    ]
+    if own:
+        warnings.warn(
+            f"gradaccum.wrap trains {type(model).__name__} with the wrapper's own step "
+            f"and compiled loss, so its own {', '.join(f'`{n}`' for n in own)} will not "
+            "run. Use `gradaccum.accumulate(model, steps=...)`, which trains the model "
+            "through its own fit, train_step and compute_loss.",
+            stacklevel=3,
         )
 
 
