@@ -1,0 +1,122 @@
+"""gradaccum.accumulate on a KerasHub task (GPT2CausalLM with its preprocessor, LoRA)
+against the task trained on the concatenated windows (issue 14)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import gradaccum
+import hub_models
+from gradaccum.attach import accumulation_of
+
+
+def assert_weights_close(a, b, rtol=1e-5, atol=1e-6):
+    wa, wb = a.get_weights(), b.get_weights()
+    assert len(wa) == len(wb)
+    for va, vb in zip(wa, wb):
+        np.testing.assert_allclose(va, vb, rtol=rtol, atol=atol)
+
+
+def max_gap(a, b):
+    return max(float(np.abs(va - vb).max()) for va, vb in zip(a.get_weights(), b.get_weights()))
+
+
+@pytest.fixture(scope="module")
+def trained_24():
+    """The task accumulated over 24 strings: 6 micro-batches of 4, windows 12 + 12."""
+    keras.utils.clear_session()
+    texts = hub_models.make_texts()
+    task = gradaccum.accumulate(hub_models.make_task(seed=0), steps=3)
+    history = task.fit(texts, batch_size=4, shuffle=False, verbose=0)
+    reference = hub_models.reference_fit_on_windows(hub_models.make_task(seed=0), texts, [12, 12])
+    return task, reference, history
+
+
+def test_gpt2_task_equals_the_task_trained_on_the_windows(trained_24):
+    task, reference, history = trained_24
+    assert type(task) is hub_models.keras_hub.models.GPT2CausalLM
+    assert max_gap(task, hub_models.make_task(seed=0)) > 1e-3
+    assert_weights_close(task, reference, rtol=1e-5)
+    assert int(task.optimizer.iterations) == int(reference.optimizer.iterations) == 2
+    assert history.history["updates"] == [2.0]
+
+
+def test_gpt2_task_with_a_partial_last_window():
+    texts = hub_models.make_texts()[:20]  # 5 micro-batches of 4: windows 12 + 8
+    task = gradaccum.accumulate(hub_models.make_task(seed=0), steps=3)
+    history = task.fit(texts, batch_size=4, shuffle=False, verbose=0)
+    reference = hub_models.reference_fit_on_windows(hub_models.make_task(seed=0), texts, [12, 8])
+    assert_weights_close(task, reference, rtol=1e-5)
+    assert int(task.optimizer.iterations) == 2
+    assert history.history["updates"] == [2.0]
+
+
+def test_gpt2_task_generates_and_saves_as_plain_keras_hub(trained_24, tmp_path):
+    task, reference, _ = trained_24
+    generated = task.generate("the", max_length=8)
+    assert isinstance(generated, str) and generated.startswith("the")
+    assert generated == reference.generate("the", max_length=8)
+
+    path = tmp_path / "task.keras"
+    task.save(path)
+    with zipfile.ZipFile(path) as archive:
+        assert "gradaccum" not in archive.read("config.json").decode()
+    x, _, _ = task.preprocessor(hub_models.make_texts()[:4])
+    inputs = {key: keras.ops.convert_to_numpy(value) for key, value in x.items()}
+    expected = keras.ops.convert_to_numpy(task(inputs))
+    np.savez(tmp_path / "x.npz", **inputs)
+    code = (
+        "import sys; sys.modules['gradaccum'] = None\n"
+        "import keras, keras_hub, numpy as np\n"
+        f"m = keras.saving.load_model({str(path)!r})\n"
+        f"x = dict(np.load({str(tmp_path / 'x.npz')!r}))\n"
+        f"np.save({str(tmp_path / 'y.npy')!r}, keras.ops.convert_to_numpy(m(x)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    np.testing.assert_allclose(np.load(tmp_path / "y.npy"), expected, rtol=1e-5, atol=1e-6)
+
+
+def windows_dataset(texts, sizes):
+    starts = np.cumsum([0, *sizes])
+    dataset = None
+    for start, stop in zip(starts[:-1], starts[1:]):
+        window = tf.data.Dataset.from_tensor_slices(texts[start:stop]).batch(stop - start)
+        dataset = window if dataset is None else dataset.concatenate(window)
+    return dataset
+
+
+def test_gpt2_lora_accumulates_only_the_lora_parameters():
+    texts = hub_models.make_texts()
+    task = hub_models.make_task(seed=0)
+    task.backbone.enable_lora(rank=4)
+    reference = hub_models.make_task(seed=0)
+    reference.backbone.enable_lora(rank=4)
+    reference.set_weights(task.get_weights())  # the same LoRA initial factors
+    trainable = sum(int(np.prod(v.shape)) for v in task.trainable_variables)
+    assert trainable == 704  # hub_models: 8 LoRA factors (640) and 4 biases (64)
+
+    initial = task.get_weights()
+    gradaccum.accumulate(task, steps=3)
+    task.fit(texts, batch_size=4, shuffle=False, verbose=0)
+    accumulators = accumulation_of(task).state.accumulators()
+    assert len(accumulators) == 1
+    accumulated = sum(
+        int(np.prod(v.shape)) for acc in accumulators for v in acc.accumulators
+    )
+    assert accumulated == trainable
+
+    reference.fit(windows_dataset(texts, [12, 12]), shuffle=False, verbose=0)
+    assert int(task.optimizer.iterations) == int(reference.optimizer.iterations) == 2
+    moved = [float(np.abs(a - b).max()) for a, b in zip(initial, task.get_weights())]
+    assert sum(m > 0 for m in moved) == len(task.trainable_variables)  # LoRA only
+    assert_weights_close(task, reference, rtol=1e-5)
