@@ -1,4 +1,5 @@
-"""gradaccum.wrap + fit() against plain Keras training on the windows."""
+"""gradaccum.wrap and gradaccum.accumulate + fit() against plain Keras training on the
+windows (each test that trains runs for both doors)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 import gradaccum
+from conftest import fit_state, make_trainer, trained
 
 SCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -79,14 +81,14 @@ def max_gap(a, b):
 # The headline -----------------------------------------------------------------------
 
 
-def test_batch_40_as_16_16_8_equals_one_large_step_and_keras_builtin_does_not():
+def test_batch_40_as_16_16_8_equals_one_large_step_and_keras_builtin_does_not(door):
     x, y = data(40)
     ref = mlp()
     ref.compile(keras.optimizers.SGD(0.5), SCE)
     ref.fit(x, y, batch_size=40, epochs=1, shuffle=False, verbose=0)
 
     model = mlp()
-    trainer = gradaccum.wrap(model, steps=3)
+    trainer = make_trainer(door, model, steps=3)
     trainer.compile(keras.optimizers.SGD(0.5), SCE)
     history = trainer.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     assert history.history["updates"] == [1.0]
@@ -106,7 +108,7 @@ def test_batch_40_as_16_16_8_equals_one_large_step_and_keras_builtin_does_not():
     [lambda: keras.optimizers.Adam(0.02), lambda: keras.optimizers.AdamW(0.02, weight_decay=0.2)],
     ids=["adam", "adamw"],
 )
-def test_several_epochs_with_partial_windows_equal_fit_on_the_windows(make_opt):
+def test_several_epochs_with_partial_windows_equal_fit_on_the_windows(door, make_opt):
     x, y = data(50)
     windows, _ = plan_windows(50, 8, 3, epochs=3)  # 7 micro-batches: 3 + 3 + 1
     assert [len(w) for w in windows[:3]] == [24, 24, 2]
@@ -115,17 +117,17 @@ def test_several_epochs_with_partial_windows_equal_fit_on_the_windows(make_opt):
     reference_fit(ref, windows, x, y)
 
     model = mlp()
-    trainer = gradaccum.wrap(model, steps=3)
+    trainer = make_trainer(door, model, steps=3)
     trainer.compile(make_opt(), SCE)
     history = trainer.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
     assert history.history["updates"] == [3.0, 6.0, 9.0]
-    assert int(trainer._fit_state.accumulator.micro_step) == 0
+    assert int(fit_state(trainer).accumulator.micro_step) == 0
     assert_weights_close(model, ref)
     for va, vb in zip(trainer.optimizer.variables, ref.optimizer.variables):
         np.testing.assert_allclose(np.asarray(va), np.asarray(vb), rtol=1e-5, atol=1e-6)
 
 
-def test_masked_sequences_of_unequal_length_with_sample_weights_are_exact():
+def test_masked_sequences_of_unequal_length_with_sample_weights_are_exact(door):
     vocab, classes = 12, 4
     rng = np.random.default_rng(3)
     lengths = rng.integers(1, 9, size=30)
@@ -175,14 +177,14 @@ def test_masked_sequences_of_unequal_length_with_sample_weights_are_exact():
     )
     ds = tf.data.Dataset.from_generator(gen, output_signature=spec)
     model = seq_model()
-    trainer = gradaccum.wrap(model, steps=steps)
+    trainer = make_trainer(door, model, steps=steps)
     trainer.compile(keras.optimizers.Adam(0.05), SCE)
     trainer.fit(ds, epochs=1, verbose=0)
     assert int(trainer.optimizer.iterations) == 3  # 3 + 3 + a partial of 2
     assert_weights_close(model, ref)
 
     uniform = seq_model()
-    plain_mean = gradaccum.wrap(uniform, steps=steps, weighting="uniform")
+    plain_mean = make_trainer(door, uniform, steps=steps, weighting="uniform")
     plain_mean.compile(keras.optimizers.Adam(0.05), SCE)
     plain_mean.fit(ds, epochs=1, verbose=0)
     assert max_gap(uniform, ref) > 1e-4
@@ -191,7 +193,7 @@ def test_masked_sequences_of_unequal_length_with_sample_weights_are_exact():
 # Once per update --------------------------------------------------------------------
 
 
-def test_iterations_and_lr_schedule_advance_once_per_update():
+def test_iterations_and_lr_schedule_advance_once_per_update(door):
     x, y = data(48)
 
     def opt():
@@ -202,7 +204,7 @@ def test_iterations_and_lr_schedule_advance_once_per_update():
     windows, _ = plan_windows(48, 8, 2, epochs=2)
     ref = reference_fit(_compiled(mlp(), opt()), windows, x, y)
     model = mlp()
-    trainer = gradaccum.wrap(model, steps=2)
+    trainer = make_trainer(door, model, steps=2)
     trainer.compile(opt(), SCE)
     trainer.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     assert int(trainer.optimizer.iterations) == 6
@@ -220,12 +222,12 @@ def test_iterations_and_lr_schedule_advance_once_per_update():
     ],
     ids=["clipnorm", "clipvalue", "global_clipnorm", "ema"],
 )
-def test_clipping_and_ema_act_on_the_combined_gradient(opt_kwargs):
+def test_clipping_and_ema_act_on_the_combined_gradient(door, opt_kwargs):
     x, y = data(40)
     windows, _ = plan_windows(40, 10, 2, epochs=2)
     ref = reference_fit(_compiled(mlp(), keras.optimizers.Adam(0.05, **opt_kwargs)), windows, x, y)
     model = mlp()
-    trainer = gradaccum.wrap(model, steps=2)
+    trainer = make_trainer(door, model, steps=2)
     trainer.compile(keras.optimizers.Adam(0.05, **opt_kwargs), SCE)
     trainer.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
     if opt_kwargs.get("use_ema"):
@@ -242,36 +244,36 @@ def _compiled(model, optimizer, loss=SCE, **kwargs):
 # Partial windows --------------------------------------------------------------------
 
 
-def test_partial_carry_keeps_the_window_open_across_epochs():
+def test_partial_carry_keeps_the_window_open_across_epochs(door):
     x, y = data(10)
     windows, open_window = plan_windows(10, 2, 3, epochs=2, partial="carry")
     assert len(windows) == 3 and len(open_window) == 1
     ref = reference_fit(_compiled(mlp(), keras.optimizers.Adam(0.05)), windows, x, y)
     model = mlp()
-    trainer = gradaccum.wrap(model, steps=3, partial="carry")
+    trainer = make_trainer(door, model, steps=3, partial="carry")
     trainer.compile(keras.optimizers.Adam(0.05), SCE)
     history = trainer.fit(x, y, batch_size=2, epochs=2, shuffle=False, verbose=0)
     assert history.history["updates"] == [1.0, 3.0]
-    acc = trainer._fit_state.accumulator
+    acc = fit_state(trainer).accumulator
     assert int(acc.micro_step) == 1 and float(acc.total_weight) == 2.0
     assert_weights_close(model, ref)
 
 
-def test_partial_drop_discards_the_open_window():
+def test_partial_drop_discards_the_open_window(door):
     x, y = data(10)
     windows, _ = plan_windows(10, 2, 3, epochs=2, partial="drop")
     assert [len(w) for w in windows] == [6, 6]
     ref = reference_fit(_compiled(mlp(), keras.optimizers.Adam(0.05)), windows, x, y)
     model = mlp()
-    trainer = gradaccum.wrap(model, steps=3, partial="drop")
+    trainer = make_trainer(door, model, steps=3, partial="drop")
     trainer.compile(keras.optimizers.Adam(0.05), SCE)
     history = trainer.fit(x, y, batch_size=2, epochs=2, shuffle=False, verbose=0)
     assert history.history["updates"] == [1.0, 2.0]
-    assert int(trainer._fit_state.accumulator.micro_step) == 0
+    assert int(fit_state(trainer).accumulator.micro_step) == 0
     assert_weights_close(model, ref)
 
 
-def test_unknown_cardinality_and_short_last_batch_flush_before_validation():
+def test_unknown_cardinality_and_short_last_batch_flush_before_validation(door):
     x, y = data(44)
     xv, yv = data(20, seed=9)
     ds = tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda a, b: True).batch(8)
@@ -279,7 +281,7 @@ def test_unknown_cardinality_and_short_last_batch_flush_before_validation():
     windows, _ = plan_windows(44, 8, 4, epochs=2)  # 6 micro-batches: 4 + 2 (last of 4)
     ref = reference_fit(_compiled(mlp(), keras.optimizers.Adam(0.05)), windows, x, y)
     model = mlp()
-    trainer = gradaccum.wrap(model, steps=4)
+    trainer = make_trainer(door, model, steps=4)
     trainer.compile(keras.optimizers.Adam(0.05), SCE)
     history = trainer.fit(ds, epochs=2, verbose=0, validation_data=(xv, yv))
     assert history.history["updates"] == [2.0, 4.0]
@@ -322,12 +324,12 @@ def subclassed(seed=0):
     ],
     ids=["sequential-l2", "subclassed", "one-micro-batch-per-call", "four-per-call", "jit"],
 )
-def test_model_kinds_and_compile_options_are_exact(factory, compile_kwargs):
+def test_model_kinds_and_compile_options_are_exact(door, factory, compile_kwargs):
     x, y = data(46)
     windows, _ = plan_windows(46, 6, 3, epochs=2)
     ref = reference_fit(_compiled(factory(), keras.optimizers.Adam(0.03)), windows, x, y)
     model = factory()
-    trainer = gradaccum.wrap(model, steps=3)
+    trainer = make_trainer(door, model, steps=3)
     trainer.compile(keras.optimizers.Adam(0.03), SCE, **compile_kwargs)
     history = trainer.fit(x, y, batch_size=6, epochs=2, shuffle=False, verbose=0)
     assert history.history["updates"] == [3.0, 6.0]
@@ -345,7 +347,7 @@ def two_in_two_out(seed=0):
     )
 
 
-def test_multi_input_multi_output_with_class_and_loss_weights_is_exact():
+def test_multi_input_multi_output_with_class_and_loss_weights_is_exact(door):
     rng = np.random.default_rng(4)
     x = {"a": rng.normal(size=(30, 4)).astype("float32"),
          "b": rng.normal(size=(30, 2)).astype("float32")}
@@ -358,21 +360,21 @@ def test_multi_input_multi_output_with_class_and_loss_weights_is_exact():
                     loss_weights=loss_weights)
     reference_fit(ref, windows, x, y, sample_weight=sw)
     model = two_in_two_out()
-    trainer = gradaccum.wrap(model, steps=2)
+    trainer = make_trainer(door, model, steps=2)
     trainer.compile(keras.optimizers.Adam(0.03), losses, loss_weights=loss_weights)
     with _no_inexact_warning():
         trainer.fit(x, y, sample_weight=sw, batch_size=7, epochs=2, shuffle=False, verbose=0)
     assert_weights_close(model, ref)
 
 
-def test_class_weight_is_exact():
+def test_class_weight_is_exact(door):
     x, y = data(36)
     class_weight = {0: 0.2, 1: 1.0, 2: 3.0}
     windows, _ = plan_windows(36, 5, 3, epochs=1)
     sw = np.array([class_weight[int(c)] for c in y], "float32")
     ref = reference_fit(_compiled(mlp(), keras.optimizers.SGD(0.3)), windows, x, y, sw)
     model = mlp()
-    trainer = gradaccum.wrap(model, steps=3)
+    trainer = make_trainer(door, model, steps=3)
     trainer.compile(keras.optimizers.SGD(0.3), SCE)
     trainer.fit(x, y, class_weight=class_weight, batch_size=5, shuffle=False, verbose=0)
     assert_weights_close(model, ref)
@@ -391,18 +393,18 @@ class _no_inexact_warning:
         assert not [w for w in self._log if "approximate" in str(w.message)]
 
 
-def test_one_window_per_compiled_call_by_default():
-    trainer = gradaccum.wrap(mlp(), steps=5)
+def test_one_window_per_compiled_call_by_default(door):
+    trainer = make_trainer(door, mlp(), steps=5)
     trainer.compile("sgd", SCE)
     assert trainer.steps_per_execution == 5
     trainer.compile("sgd", SCE, steps_per_execution=2)
     assert trainer.steps_per_execution == 2
 
 
-def test_metrics_see_every_micro_batch_and_loss_is_the_window_loss():
+def test_metrics_see_every_micro_batch_and_loss_is_the_window_loss(door):
     x, y = data(45)
     model = mlp()
-    trainer = gradaccum.wrap(model, steps=4)
+    trainer = make_trainer(door, model, steps=4)
     trainer.compile(keras.optimizers.SGD(0.0), SCE, metrics=["accuracy"])
     history = trainer.fit(x, y, batch_size=10, epochs=1, shuffle=False, verbose=0)
     # With a zero learning rate the weights stay put, so the epoch's figures must be
@@ -414,26 +416,26 @@ def test_metrics_see_every_micro_batch_and_loss_is_the_window_loss():
     np.testing.assert_allclose(history.history["accuracy"][0], expected_acc, rtol=1e-6)
 
 
-def test_dropout_model_trains_with_one_update_per_window():
+def test_dropout_model_trains_with_one_update_per_window(door):
     keras.utils.set_random_seed(0)
     model = keras.Sequential(
         [keras.Input((6,)), keras.layers.Dense(16, activation="relu"),
          keras.layers.Dropout(0.3), keras.layers.Dense(3)]
     )
     x, y = data(64)
-    trainer = gradaccum.wrap(model, steps=4)
+    trainer = make_trainer(door, model, steps=4)
     trainer.compile(keras.optimizers.Adam(0.02), SCE)
     history = trainer.fit(x, y, batch_size=4, epochs=4, shuffle=False, verbose=0)
     assert history.history["updates"] == [4.0, 8.0, 12.0, 16.0]
     assert history.history["loss"][-1] < history.history["loss"][0]
 
 
-def test_callable_weighting_is_used():
+def test_callable_weighting_is_used(door):
     x, y = data(40)
     windows, _ = plan_windows(40, 16, 3, epochs=1)
     ref = reference_fit(_compiled(mlp(), keras.optimizers.SGD(0.5)), windows, x, y)
     model = mlp()
-    trainer = gradaccum.wrap(model, steps=3, weighting=lambda x, y, sw: tf.shape(x)[0])
+    trainer = make_trainer(door, model, steps=3, weighting=lambda x, y, sw: tf.shape(x)[0])
     trainer.compile(keras.optimizers.SGD(0.5), SCE)
     trainer.fit(x, y, batch_size=16, shuffle=False, verbose=0)
     assert_weights_close(model, ref)
@@ -442,7 +444,7 @@ def test_callable_weighting_is_used():
 # Callbacks, saving, resuming --------------------------------------------------------
 
 
-def test_keras_callbacks_work_and_keep_exactness(tmp_path):
+def test_keras_callbacks_work_and_keep_exactness(door, tmp_path):
     x, y = data(40)
     xv, yv = data(16, seed=2)
 
@@ -457,7 +459,7 @@ def test_keras_callbacks_work_and_keep_exactness(tmp_path):
         reference_fit(ref, windows[epoch * per_epoch : (epoch + 1) * per_epoch], x, y)
 
     model = mlp()
-    trainer = gradaccum.wrap(model, steps=2)
+    trainer = make_trainer(door, model, steps=2)
     trainer.compile(keras.optimizers.Adam(0.05), SCE)
     callbacks = [
         keras.callbacks.LearningRateScheduler(schedule),
@@ -472,21 +474,26 @@ def test_keras_callbacks_work_and_keep_exactness(tmp_path):
     assert_weights_close(model, ref)
     assert any(p.name.startswith("events") for p in (tmp_path / "tb" / "train").iterdir())
 
-    restored = gradaccum.wrap(mlp(seed=3), steps=2)
+    restored = make_trainer(door, mlp(seed=3), steps=2)
     restored.compile(keras.optimizers.Adam(0.05), SCE)
     restored.build((None, 6))
     restored.optimizer.build(restored.trainable_variables)
     restored.load_weights(str(tmp_path / "ckpt.weights.h5"))
-    assert_weights_close(restored.model, model)
+    assert_weights_close(trained(door, restored), model)
     assert int(restored.optimizer.iterations) == 9
-    assert int(restored._fit_state.accumulator.micro_step) == 0
+    assert int(fit_state(restored).accumulator.micro_step) == 0
 
     loaded = keras.models.load_model(str(tmp_path / "full.keras"))
-    assert isinstance(loaded, gradaccum.AccumulatingModel) and loaded.steps == 2
-    assert_weights_close(loaded.model, model)
+    if door == "wrap":
+        assert isinstance(loaded, gradaccum.AccumulatingModel) and loaded.steps == 2
+    else:
+        # accumulate saves the user's model as Keras would: it loads without gradaccum.
+        assert type(loaded) is keras.Sequential
+        assert gradaccum.attach.accumulation_of(loaded) is None
+    assert_weights_close(trained(door, loaded), model)
 
 
-def test_early_stopping_mid_epoch_flushes_at_the_end_of_fit():
+def test_early_stopping_mid_epoch_flushes_at_the_end_of_fit(door):
     class StopAfter(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             if batch == 4:
@@ -496,17 +503,17 @@ def test_early_stopping_mid_epoch_flushes_at_the_end_of_fit():
     windows = [np.arange(0, 24), np.arange(24, 40)]  # 3 micro-batches of 8, then 2
     ref = reference_fit(_compiled(mlp(), keras.optimizers.Adam(0.05)), windows, x, y)
     model = mlp()
-    trainer = gradaccum.wrap(model, steps=3)
+    trainer = make_trainer(door, model, steps=3)
     trainer.compile(keras.optimizers.Adam(0.05), SCE, steps_per_execution=1)
     trainer.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[StopAfter()])
     assert int(trainer.optimizer.iterations) == 2
     assert_weights_close(model, ref)
 
 
-def test_inner_model_saves_as_plain_keras(tmp_path):
+def test_inner_model_saves_as_plain_keras(door, tmp_path):
     x, y = data(24)
     model = mlp()
-    trainer = gradaccum.wrap(model, steps=2)
+    trainer = make_trainer(door, model, steps=2)
     trainer.compile(keras.optimizers.Adam(0.05), SCE)
     trainer.fit(x, y, batch_size=4, epochs=1, verbose=0)
     path = tmp_path / "inner.keras"
@@ -532,12 +539,13 @@ def test_inner_model_saves_as_plain_keras(tmp_path):
     [("flush", 1, (1, 1)), ("carry", "epoch", (1, 0))],
     ids=["flush-batch-save", "carry-epoch-save"],
 )
-def test_backup_and_restore_resumes_mid_window_exactly(tmp_path, partial, save_freq, stop_at):
+def test_backup_and_restore_resumes_mid_window_exactly(door, tmp_path, partial, save_freq,
+                                                       stop_at):
     x, y = data(10)  # 5 micro-batches of 2 per epoch, steps 3
     epochs = 3
 
     def trainer_for(model):
-        trainer = gradaccum.wrap(model, steps=3, partial=partial)
+        trainer = make_trainer(door, model, steps=3, partial=partial)
         # One micro-batch per call, so that the crash can land inside a window.
         trainer.compile(keras.optimizers.Adam(0.05), SCE, steps_per_execution=1)
         return trainer
@@ -576,9 +584,9 @@ def test_backup_and_restore_resumes_mid_window_exactly(tmp_path, partial, save_f
 
 
 @pytest.mark.parametrize("obj", [keras.layers.Dense(3), "model", None])
-def test_wrap_refuses_what_is_not_a_keras_model(obj):
+def test_wrap_refuses_what_is_not_a_keras_model(door, obj):
     with pytest.raises(ValueError) as info:
-        gradaccum.wrap(obj, steps=2)
+        make_trainer(door, obj, steps=2)
     assert str(info.value) == (
         f"`model` must be a keras.Model. Received: model={obj!r} of type {type(obj).__name__}"
     )
@@ -594,33 +602,34 @@ def test_wrap_refuses_a_wrapped_model():
     "steps, shown",
     [(0, "0"), (-3, "-3"), (2.5, "2.5"), ("4", "'4'"), (True, "True"), (None, "None")],
 )
-def test_wrap_invalid_steps(steps, shown):
+def test_wrap_invalid_steps(door, steps, shown):
     with pytest.raises(ValueError) as info:
-        gradaccum.wrap(mlp(), steps=steps)
+        make_trainer(door, mlp(), steps=steps)
     assert str(info.value) == f"`steps` must be an integer >= 1. Received: steps={shown}"
 
 
-def test_wrap_unknown_partial():
+def test_wrap_unknown_partial(door):
     with pytest.raises(ValueError) as info:
-        gradaccum.wrap(mlp(), steps=2, partial="keep")
+        make_trainer(door, mlp(), steps=2, partial="keep")
     assert str(info.value) == (
         "`partial` must be one of 'flush', 'carry', 'drop'. Received: partial='keep'"
     )
 
 
 @pytest.mark.parametrize("weighting", ["tokens", 3, None])
-def test_wrap_unknown_weighting(weighting):
+def test_wrap_unknown_weighting(door, weighting):
     with pytest.raises(ValueError) as info:
-        gradaccum.wrap(mlp(), steps=2, weighting=weighting)
+        make_trainer(door, mlp(), steps=2, weighting=weighting)
     assert str(info.value) == (
         "`weighting` must be one of 'exact', 'uniform' or a callable "
         f"(x, y, sample_weight) -> weight. Received: weighting={weighting!r}"
     )
 
 
-def test_weighting_callable_returning_a_non_scalar():
+def test_weighting_callable_returning_a_non_scalar(door):
     x, y = data(8)
-    trainer = gradaccum.wrap(mlp(), steps=2, weighting=lambda x, y, sw: tf.ones(tf.shape(x)[:1]))
+    trainer = make_trainer(door, mlp(), steps=2,
+                           weighting=lambda x, y, sw: tf.ones(tf.shape(x)[:1]))
     trainer.compile("sgd", SCE)
     with pytest.raises(ValueError) as info:
         trainer.fit(x, y, batch_size=4, verbose=0)
@@ -629,23 +638,23 @@ def test_weighting_callable_returning_a_non_scalar():
 
 
 @pytest.mark.parametrize("run_eagerly", [False, True])
-def test_weighting_callable_returning_a_negative_weight(run_eagerly):
+def test_weighting_callable_returning_a_negative_weight(door, run_eagerly):
     x, y = data(8)
-    trainer = gradaccum.wrap(mlp(), steps=2, weighting=lambda x, y, sw: -1.0)
+    trainer = make_trainer(door, mlp(), steps=2, weighting=lambda x, y, sw: -1.0)
     trainer.compile("sgd", SCE, run_eagerly=run_eagerly)
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match="The `weighting` callable must return a weight >= 0"):
         trainer.fit(x, y, batch_size=4, verbose=0)
 
 
-def test_optimizer_with_builtin_accumulation_is_refused():
-    trainer = gradaccum.wrap(mlp(), steps=2)
+def test_optimizer_with_builtin_accumulation_is_refused(door):
+    trainer = make_trainer(door, mlp(), steps=2)
     with pytest.raises(ValueError, match="Received: gradient_accumulation_steps=4"):
         trainer.compile(keras.optimizers.Adam(gradient_accumulation_steps=4), SCE)
 
 
-def test_exact_weighting_refuses_a_summed_loss():
-    trainer = gradaccum.wrap(mlp(), steps=2)
+def test_exact_weighting_refuses_a_summed_loss(door):
+    trainer = make_trainer(door, mlp(), steps=2)
     with pytest.raises(ValueError, match="Received: loss 'sum_ce' with reduction='sum'"):
         trainer.compile("sgd", keras.losses.SparseCategoricalCrossentropy(
             from_logits=True, reduction="sum", name="sum_ce"))
