@@ -19,7 +19,21 @@ import pytest
 import tensorflow as tf
 
 import gradaccum
+from gradaccum.attach import accumulation_of
 from test_keras_model import SCE, data, mlp, plan_windows, reference_fit
+
+DOORS = ["wrap", "accumulate"]
+
+
+def trainer_of(door, model, **options):
+    """What to compile and fit: wrap's trainer, or the model itself (accumulate)."""
+    if door == "wrap":
+        return gradaccum.wrap(model, **options)
+    return gradaccum.accumulate(model, **options)
+
+
+def state_of(door, trainer):
+    return trainer._fit_state if door == "wrap" else accumulation_of(trainer).state
 
 DEVICES = ["/cpu:0", "/cpu:1"]
 WORKER = pathlib.Path(__file__).with_name("multiworker_job.py")
@@ -107,7 +121,8 @@ def test_custom_loop_on_two_replicas_equals_one_device_on_the_global_windows():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
-def test_fit_on_two_replicas_equals_one_device_adam_epochs_partial_window():
+@pytest.mark.parametrize("door", DOORS)
+def test_fit_on_two_replicas_equals_one_device_adam_epochs_partial_window(door):
     strategy = mirrored()
     x, y = data(50)
     windows, _ = plan_windows(50, 8, 3, epochs=3)  # 7 micro-batches: 3 + 3 + 1 (of 2)
@@ -117,21 +132,22 @@ def test_fit_on_two_replicas_equals_one_device_adam_epochs_partial_window():
 
     with strategy.scope():
         model = mlp()
-        trainer = gradaccum.wrap(model, steps=3)
+        trainer = trainer_of(door, model, steps=3)
         trainer.compile(keras.optimizers.Adam(0.02), SCE)
     # One micro-batch per compiled call: Keras's multi-step function fails under
     # MirroredStrategy (keras issue 19246), so "window" resolves to 1 here.
     assert trainer.steps_per_execution == 1
     history = trainer.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
     assert history.history["updates"] == [3.0, 6.0, 9.0]
-    assert int(trainer._fit_state.accumulator.micro_step.numpy()) == 0
+    assert int(state_of(door, trainer).accumulator.micro_step.numpy()) == 0
     for a, b in zip(model.get_weights(), ref.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     for a, b in zip(trainer.optimizer.variables, ref.optimizer.variables):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
-def test_a_replica_share_with_a_non_finite_gradient_is_dropped_with_its_weight():
+@pytest.mark.parametrize("door", DOORS)
+def test_a_replica_share_with_a_non_finite_gradient_is_dropped_with_its_weight(door):
     """nonfinite="skip" screens each replica's share: the poisoned share (rows 0-3 of
     the first micro-batch, on replica 0) is dropped, the other replica's share of
     that micro-batch is kept, and the window equals one device on the good rows."""
@@ -144,7 +160,7 @@ def test_a_replica_share_with_a_non_finite_gradient_is_dropped_with_its_weight()
     ref.train_on_batch(x[4:], y[4:])
     with strategy.scope():
         model = mlp()
-        trainer = gradaccum.wrap(model, steps=2)
+        trainer = trainer_of(door, model, steps=2)
         trainer.compile(keras.optimizers.Adam(0.02), SCE)
     history = trainer.fit(bad, y, batch_size=8, shuffle=False, verbose=0)
     assert history.history["updates"] == [1.0]
@@ -189,15 +205,16 @@ def test_clipping_acts_on_the_reduced_gradient(clip):
 # Communication: one reduction per update ------------------------------------------
 
 
+@pytest.mark.parametrize("door", DOORS)
 @pytest.mark.parametrize("steps", [1, 4, 16])
-def test_one_cross_replica_reduction_per_update_in_fit(steps):
+def test_one_cross_replica_reduction_per_update_in_fit(steps, door):
     ops = gradaccum.CountingCrossDeviceOps()
     strategy = mirrored(ops)
     n, batch = 16 * 8, 8  # 16 micro-batches: 16 / steps updates
     x, y = data(n)
     with strategy.scope():
         model = mlp()
-        trainer = gradaccum.wrap(model, steps=steps)
+        trainer = trainer_of(door, model, steps=steps)
         trainer.compile(keras.optimizers.Adam(0.01), SCE)
     trainer.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
     updates = int(trainer.optimizer.iterations.numpy())
