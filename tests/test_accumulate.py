@@ -167,12 +167,16 @@ def test_two_optimizers_each_update_once_per_window():
     gradaccum.accumulate(model, steps=3)
     # compile after accumulate: the custom compile signature runs as the class wrote it
     model.compile(keras.optimizers.Adam(0.05), keras.optimizers.SGD(0.2, momentum=0.5))
-    model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
 
     reference = make()
     reference.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
     assert int(model.opt_a.iterations) == int(reference.opt_a.iterations) == 8
     assert int(model.opt_b.iterations) == int(reference.opt_b.iterations) == 8
+    # `updates` counts opt_a's updates, not those of the unused default `optimizer`
+    # that `keras.Model.compile` gave the model.
+    assert history.history["updates"] == [4.0, 8.0]
+    assert int(model.optimizer.iterations) == 0
     assert max_gap(model, seeded(TwoOptimizers())) > 1e-2
     assert_weights_close(model, reference, rtol=1e-5)
     state = accumulation_of(model).state

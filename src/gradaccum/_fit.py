@@ -298,11 +298,22 @@ class Accumulation:
         """`updates` (the optimizer's update count) and `skipped` in fit's logs."""
         if logs is None or self.state is None:
             return
-        optimizer = getattr(self.host, "optimizer", None)
+        optimizer = self._updating_optimizer()
         if optimizer is not None:
             logs["updates"] = float(optimizer.iterations.numpy())
         if self.skips_possible():
             logs["skipped"] = float(self.state.skipped)
+
+    def _updating_optimizer(self):
+        """The optimizer whose update count `updates` logs: the model's `optimizer`,
+        unless the model's own train_step never handed it gradients while it trained
+        other optimizers (a GAN's, created in its `compile`: `model.optimizer` is then
+        Keras's unused default)."""
+        optimizer = getattr(self.host, "optimizer", None)
+        used = [owner for acc, owner in self.state.own if int(acc.micro_batches.numpy())]
+        if not used or any(owner is optimizer for owner in used):
+            return optimizer
+        return used[0]
 
     def skips_possible(self) -> bool:
         optimizer = getattr(self.host, "optimizer", None)
