@@ -201,14 +201,17 @@ def test_a_window_of_only_skipped_micro_batches_makes_no_update():
     assert int(opt.iterations) == 1 and float(v[0]) < 1.0
 
 
-def test_fit_skips_an_injected_non_finite_micro_batch_and_goes_on(policy):
+@pytest.mark.parametrize("door", ["wrap", "accumulate"])
+def test_fit_skips_an_injected_non_finite_micro_batch_and_goes_on(policy, door):
     policy("mixed_float16")
     x, y = make_data(24)
     bad = x.copy()
     bad[5, 2] = 1e30  # the second micro-batch of 4 overflows float16
     sce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    model = make_mlp()
-    trainer = gradaccum.wrap(model, steps=3)
+    # wrap's trainer computes in float16 under the policy; with accumulate the model
+    # itself must (make_mlp pins float32 layers unless told otherwise).
+    model = make_mlp() if door == "wrap" else make_mlp(dtype="mixed_float16")
+    trainer = (gradaccum.wrap if door == "wrap" else gradaccum.accumulate)(model, steps=3)
     trainer.compile(optimizer=keras.optimizers.SGD(0.5), loss=sce)
     history = trainer.fit(bad, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
     assert history.history["skipped"] == [1.0, 2.0]
@@ -228,8 +231,9 @@ def test_fit_skips_an_injected_non_finite_micro_batch_and_goes_on(policy):
         np.testing.assert_allclose(w - w0, ref - w0, rtol=0.02, atol=1e-3)
 
 
+@pytest.mark.parametrize("door", ["wrap", "accumulate"])
 @pytest.mark.parametrize("steps", [1, 3])
-def test_loss_scale_optimizer_in_float32_fit_equals_the_large_batch(steps):
+def test_loss_scale_optimizer_in_float32_fit_equals_the_large_batch(steps, door):
     x, y = make_data(22)
     sce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     reference = make_mlp()
@@ -238,7 +242,7 @@ def test_loss_scale_optimizer_in_float32_fit_equals_the_large_batch(steps):
     for window in windows:
         reference.train_on_batch(x[window], y[window])
     model = make_mlp()
-    trainer = gradaccum.wrap(model, steps=steps)
+    trainer = (gradaccum.wrap if door == "wrap" else gradaccum.accumulate)(model, steps=steps)
     trainer.compile(
         optimizer=keras.optimizers.LossScaleOptimizer(OPTIMIZERS["adam"]()), loss=sce
     )
