@@ -337,14 +337,14 @@ class Accumulation:
             return
         if not layers.built:
             raise ValueError(
-                "The wrapped model must be built before its accumulation state is "
+                "The model being trained must be built before its accumulation state is "
                 f"created. Received: model {layers.name!r} that is not built "
                 "(fit builds it from its first batch: is the data empty?). Give the "
                 "model an Input, or call it on a batch first."
             )
         if not host.trainable_variables:
             raise ValueError(
-                "The wrapped model must have trainable variables to accumulate "
+                "The model being trained must have trainable variables to accumulate "
                 f"gradients of. Received: model {layers.name!r} with none."
             )
         terms = max(0, kc.count_compiled_losses(kc.compiled_loss(host)) - 1)
