@@ -16,7 +16,7 @@ import gradaccum
 
 CONTENDERS = (
     "plain_b", "plain_B", "keras_builtin", "keras_builtin_window", "gradient_accumulator",
-    "eager_list", "numpy_average", "gradaccum_fit", "gradaccum_loop",
+    "eager_list", "numpy_average", "gradaccum_fit", "gradaccum_accumulate", "gradaccum_loop",
 )
 
 
@@ -54,6 +54,9 @@ def make(name: str, workload: str, b: int, k: int):
         return _fit(wrapped, b)
     if name == "gradaccum_fit":
         return _fit(gradaccum.wrap(model, steps=k), b)
+    if name == "gradaccum_accumulate":
+        # The model's own fit, made to accumulate in place (same compile as the wrap).
+        return _fit(gradaccum.accumulate(model, steps=k), b)
     if name == "gradaccum_loop":
         return _custom_loop(model, b, k)
     if name == "eager_list":

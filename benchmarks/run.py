@@ -65,10 +65,21 @@ def contenders_for(b, k, have_ga):
         names += ["keras_builtin", "keras_builtin_window"]
         if have_ga:
             names.append("gradient_accumulator")
-    names += ["gradaccum_fit", "gradaccum_loop"]
+    names += ["gradaccum_fit"]
+    if has_accumulate():
+        names.append("gradaccum_accumulate")
+    names.append("gradaccum_loop")
     if b == 8:
         names += list(SLOW)
     return names
+
+
+def has_accumulate() -> bool:
+    """Whether the gradaccum imported has `accumulate` (not before its commit 085b1af,
+    so that the same runner measures an older checkout put on PYTHONPATH)."""
+    import gradaccum
+
+    return hasattr(gradaccum, "accumulate")
 
 
 def measure_cell(workload, b, k, names, repeats):
@@ -96,12 +107,14 @@ def measure_cell(workload, b, k, names, repeats):
     return {name: statistics.median(values) for name, values in rates.items()}
 
 
-def throughput(workloads_, batches, steps, repeats, have_ga):
+def throughput(workloads_, batches, steps, repeats, have_ga, only=()):
     rows = []
     for workload in workloads_:
         for b in batches:
             for k in steps:
                 names = contenders_for(b, k, have_ga)
+                if only:
+                    names = [n for n in names if n in only]
                 started = time.perf_counter()
                 rates = measure_cell(workload, b, k, names, repeats)
                 rows.append({"workload": workload, "b": b, "k": k, "rates": rates})
@@ -135,26 +148,30 @@ def tables(rows, memory, have_ga) -> str:
     out = ["### Throughput (samples/s, median of the repeats)", ""]
     header = ("| workload | b | k | plain b | plain B=kb | Keras built-in | "
               "built-in, window per call | gradient-accumulator | source eager | "
-              "source numpy | gradaccum fit | gradaccum loop | fit / built-in | "
-              "fit / built-in window | fit / plain b |")
-    out += [header, "|" + " --- |" * 15]
+              "source numpy | gradaccum fit | gradaccum accumulate | gradaccum loop | "
+              "fit / built-in | fit / built-in window | fit / plain b | "
+              "accumulate / fit | accumulate / built-in |")
+    out += [header, "|" + " --- |" * 18]
     for row in rows:
         r = row["rates"]
 
         def cell(name, r=r):
             return f"{r[name]:.0f}" if name in r else "-"
 
-        fit = r["gradaccum_fit"]
+        fit = r.get("gradaccum_fit")
+        acc = r.get("gradaccum_accumulate")
         out.append(
             f"| {row['workload']} | {row['b']} | {row['k']} | {cell('plain_b')} | "
             f"{cell('plain_B')} | {cell('keras_builtin')} | {cell('keras_builtin_window')} | "
             f"{cell('gradient_accumulator')} | "
             f"{cell('eager_list')} | {cell('numpy_average')} | {cell('gradaccum_fit')} | "
-            f"{cell('gradaccum_loop')} | "
+            f"{cell('gradaccum_accumulate')} | {cell('gradaccum_loop')} | "
             f"{ratio(fit, r.get('keras_builtin'))} | "
-            f"{ratio(fit, r.get('keras_builtin_window'))} | {ratio(fit, r['plain_b'])} |"
+            f"{ratio(fit, r.get('keras_builtin_window'))} | {ratio(fit, r.get('plain_b'))} | "
+            f"{ratio(acc, fit)} | {ratio(acc, r.get('keras_builtin'))} |"
         )
-    slow = [row for row in rows if "eager_list" in row["rates"]]
+    slow = [row for row in rows if "eager_list" in row["rates"]
+            and "numpy_average" in row["rates"] and "gradaccum_fit" in row["rates"]]
     if slow:
         out += ["", "Against the source material's styles at b = 8 (gradaccum fit / style):", ""]
         out += ["| workload | k | / eager list loop | / numpy averaging |",
@@ -211,9 +228,15 @@ def main():
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--from-json", action="store_true",
                         help="no measuring: rebuild the tables from benchmarks/results.json")
+    parser.add_argument("--workloads", help="comma-separated subset of the grid's workloads")
+    parser.add_argument("--batches", help="comma-separated micro-batch sizes b")
+    parser.add_argument("--steps", help="comma-separated window lengths k")
+    parser.add_argument("--contenders", help="comma-separated subset of the contenders")
+    parser.add_argument("--json", type=pathlib.Path, default=RESULTS,
+                        help="where the results go (default benchmarks/results.json)")
     args = parser.parse_args()
     if args.from_json:
-        saved = json.loads(RESULTS.read_text())
+        saved = json.loads(args.json.read_text())
         text = tables(saved["throughput"], saved["memory"], saved["gradient_accumulator"])
         print(text)
         if args.write:
@@ -227,10 +250,15 @@ def main():
     else:
         grid = (["mlp", "cnn", "transformer"], [8, 32, 128], [1, 4, 16])
         effective = [32, 128, 512, 2048, 8192]  # 2048 is the target's b=32, k=64
+    for i, (flag, cast) in enumerate(((args.workloads, str), (args.batches, int),
+                                      (args.steps, int))):
+        if flag:
+            grid = grid[:i] + ([cast(v) for v in flag.split(",")],) + grid[i + 1:]
+    only = tuple(args.contenders.split(",")) if args.contenders else ()
     started = time.perf_counter()
-    rows = throughput(*grid, repeats=args.repeats, have_ga=have_ga)
+    rows = throughput(*grid, repeats=args.repeats, have_ga=have_ga, only=only)
     memory = [] if args.no_memory else memory_curve("transformer", effective, 32)
-    RESULTS.write_text(json.dumps({"throughput": rows, "memory": memory,
+    args.json.write_text(json.dumps({"throughput": rows, "memory": memory,
                                    "gradient_accumulator": have_ga}, indent=1))
     command = "python benchmarks/run.py " + " ".join(sys.argv[1:])
     text = "\n".join([
