@@ -358,10 +358,14 @@ class Accumulation:
                 accumulator = self.options.accumulator(host.trainable_variables,
                                                        layers=layers)
             self.state = FitState(accumulator, terms=terms)
-            if accumulator is None and host.optimizer is not None:
+            replicas = host.distribute_strategy.num_replicas_in_sync
+            if accumulator is None and host.optimizer is not None and replicas > 1:
                 # A model's own step usually hands all its trainable variables to
-                # `self.optimizer`: that accumulator exists before tracing (and under
-                # a strategy must); others are made when the step first hands them.
+                # `self.optimizer`. Under several replicas that accumulator is made
+                # before tracing (a replica cannot create the strategy's variables);
+                # on one device every accumulator is made when the step first hands
+                # gradients to its optimizer, so an optimizer the step never uses
+                # (Keras's default, beside a GAN's own two) costs no memory.
                 self._own_accumulator(host.optimizer, list(host.trainable_variables))
         # The layers record only inside this model's training step (see
         # `exact_step`): elsewhere they stay Keras's layer.
@@ -557,12 +561,13 @@ class Accumulation:
                 return acc
         layers = self._layers.value if not self.state.own else None
         name = f"gradaccum_own_{len(self.state.own)}"
+        # Made (and given any restored values) outside the step being traced, once.
         with tf.init_scope():
             acc = self.options.accumulator(variables, layers=layers, name=name)
-        for layer in acc.batch_normalization_layers:
-            layer._accumulated = False
-        self.state.own.append((acc, optimizer))
-        self._restore_pending()
+            for layer in acc.batch_normalization_layers:
+                layer._accumulated = False
+            self.state.own.append((acc, optimizer))
+            self._restore_pending()
         return acc
 
     def micro_batch_weight(self, x, y, sample_weight, exact_step: bool):
