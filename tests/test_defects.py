@@ -281,3 +281,117 @@ def test_callback_list_is_left_as_it_was_and_the_epoch_length_is_known():
     )
     for a, b in zip(listed.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+# Found by review of accumulate (each failed before its fix) --------------------------
+
+SCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def test_a_recompile_keeps_the_open_window():
+    x, y = make_data(40)
+    full = gradaccum.accumulate(make_mlp(), steps=4, partial="carry")
+    full.compile(keras.optimizers.SGD(0.5, momentum=0.9), SCE)
+    full.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    split = gradaccum.accumulate(make_mlp(), steps=4, partial="carry")
+    split.compile(keras.optimizers.SGD(0.5, momentum=0.9), SCE)
+    split.fit(x[:24], y[:24], batch_size=4, shuffle=False, verbose=0)  # 2 left open
+    split.compile(split.optimizer, SCE, metrics=["accuracy"])  # e.g. to add a metric
+    split.fit(x[24:], y[24:], batch_size=4, shuffle=False, verbose=0)
+    assert int(split.optimizer.iterations) == int(full.optimizer.iterations) == 2
+    for a, b in zip(split.get_weights(), full.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+class TwoHeadsModel(keras.Model):
+    """Its own step: the first layer through `self.optimizer`, the second through an
+    optimizer kept in a list attribute, or twice through `self.optimizer`."""
+
+    def __init__(self, mode):
+        super().__init__()
+        self.mode = mode
+        self.first = keras.layers.Dense(4, activation="tanh")
+        self.second = keras.layers.Dense(3)
+        self.extra = [keras.optimizers.SGD(0.1)]
+
+    def call(self, x):
+        return self.second(self.first(x))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x, y, self(x, training=True))
+        first, second = self.first.trainable_variables, self.second.trainable_variables
+        grads = tape.gradient(loss, first + second)
+        if self.mode == "list":
+            self.optimizer.apply_gradients(zip(grads[:2], first))
+            self.extra[0].apply_gradients(zip(grads[2:], second))
+        else:
+            self.optimizer.apply_gradients(zip(grads, first + second))
+            self.optimizer.apply_gradients(zip(grads, first + second))
+        return {"loss": loss}
+
+
+def _two_heads(mode, accumulate_steps=None):
+    model = TwoHeadsModel(mode)
+    model(np.zeros((1, 5), "float32"))
+    rng = np.random.default_rng(3)
+    model.set_weights([rng.normal(0, 0.5, w.shape).astype("float32")
+                       for w in model.get_weights()])
+    if accumulate_steps:
+        gradaccum.accumulate(model, steps=accumulate_steps)
+    model.compile(keras.optimizers.SGD(0.1), SCE, steps_per_execution=1)
+    return model
+
+
+@pytest.mark.parametrize("mode, updates", [("list", (2, 2)), ("twice", (4, None))])
+def test_own_step_optimizers_in_a_list_and_twice_per_step(mode, updates):
+    x, y = make_data(32)
+    model = _two_heads(mode, accumulate_steps=4)
+    model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    reference = _two_heads(mode)
+    reference.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations) == updates[0]
+    if mode == "list":
+        assert int(model.extra[0].iterations) == int(reference.extra[0].iterations) == 2
+        for a, b in zip(model.get_weights(), reference.get_weights()):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_masked_update_leaves_constraints_and_overwrites_of_an_ungraded_variable():
+    free = tf.Variable([1.0, 2.0])
+    constrained = keras.Variable([-1.0, 3.0], constraint=keras.constraints.NonNeg())
+    overwritten = keras.Variable([7.0, 8.0])
+    overwritten.overwrite_with_gradient = True
+    optimizer = keras.optimizers.SGD(1.0)
+    acc = gradaccum.GradientAccumulator([free, constrained, overwritten])
+    tf.function(lambda: acc.accumulate([tf.constant([1.0, 1.0]), None, None]))()
+    tf.function(lambda: acc.apply(optimizer))()
+    np.testing.assert_array_equal(free.numpy(), [0.0, 1.0])
+    np.testing.assert_array_equal(np.asarray(constrained), [-1.0, 3.0])
+    np.testing.assert_array_equal(np.asarray(overwritten), [7.0, 8.0])
+
+
+def test_load_weights_before_compile_then_resume(tmp_path):
+    x, y = make_data(24)
+    model = gradaccum.accumulate(make_mlp(), steps=4, partial="carry")
+    model.compile(keras.optimizers.Adam(0.05), SCE)
+    model.fit(x[:8], y[:8], batch_size=4, shuffle=False, verbose=0)  # 2 open
+    path = str(tmp_path / "w.weights.h5")
+    model.save_weights(path)
+    restored = gradaccum.accumulate(make_mlp(seed=5), steps=4, partial="carry")
+    restored.load_weights(path)  # before compile: the window waits
+    restored.compile(keras.optimizers.Adam(0.05), SCE)
+    restored.optimizer.build(restored.trainable_variables)
+    window = gradaccum.attach.accumulation_of(restored)
+    assert window.state is None
+    restored.fit(x[8:16], y[8:16], batch_size=4, shuffle=False, verbose=0)
+    model.fit(x[8:16], y[8:16], batch_size=4, shuffle=False, verbose=0)
+    assert int(restored.optimizer.iterations) == int(model.optimizer.iterations) == 1
+
+
+def test_fit_with_no_epoch_left_to_run_is_not_an_error():
+    model = gradaccum.accumulate(make_mlp(), steps=2)
+    model.compile("sgd", SCE)
+    history = model.fit(*make_data(8), batch_size=2, epochs=2, initial_epoch=2, verbose=0)
+    assert history.history == {} and int(model.optimizer.iterations) == 0

@@ -121,6 +121,8 @@ class EpochHook(keras.callbacks.Callback):
         self._skipped_before = 0
         # Batches per epoch, as Keras's epoch iterator counts them (None: unknown).
         self.epoch_length = None
+        # Whether this fit has epochs to run (epochs > initial_epoch).
+        self.epochs_to_run = True
 
     @property
     def _state(self):
@@ -166,7 +168,7 @@ class EpochHook(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._accumulation.value.end_of_data()
-        if self._calls == 0 and (self.params or {}).get("epochs", 1) > 0:
+        if self._calls == 0 and self.epochs_to_run:
             raise ValueError(
                 "`fit` must receive at least one micro-batch. Received: data that "
                 "yielded no batch (an empty dataset or array), so nothing was "
@@ -208,7 +210,13 @@ def optimizers_of(model) -> list:
     optimizer attribute (a GAN's generator and discriminator optimizers)."""
     found = []
     candidates = [getattr(model, "optimizer", None)]
-    candidates += [value for value in vars(model).values() if kc.is_optimizer(value)]
+    for value in vars(model).values():
+        if isinstance(value, dict):
+            candidates += list(value.values())
+        elif isinstance(value, (list, tuple)):
+            candidates += list(value)
+        else:
+            candidates.append(value)
     for optimizer in candidates:
         if optimizer is not None and kc.is_optimizer(optimizer):
             if all(optimizer is not other for other in found):
@@ -255,7 +263,16 @@ class Accumulation:
         self._own_step = own_step
 
     def forget(self) -> None:
-        """Drops the state (a new compile): it is created again before training."""
+        """Drops the state (a new compile): it is created again before training,
+        with the open window's values, which nothing may lose silently."""
+        if self.state is not None:
+            # The windows, not the epoch position: a new fit starts an epoch.
+            saved = {
+                k: v.numpy()
+                for k, v in self.saved_variables().items()
+                if k not in ("epoch_step", "resume_skip")
+            }
+            self._pending = {**saved, **self._pending}
         self.state = None
         self._end_of_data_function = None
 
@@ -265,6 +282,7 @@ class Accumulation:
         """Runs `fit` (the host's own) with gradaccum's hook first among callbacks."""
         host = self.host
         hook = EpochHook(self)
+        hook.epochs_to_run = epochs > kwargs.get("initial_epoch", 0)
         if isinstance(callbacks, keras.callbacks.CallbackList):
             # The caller's list is left as it is: the hook runs first, then the list.
             listed = callbacks.callbacks
@@ -389,16 +407,30 @@ class Accumulation:
             for key in store.keys()
             if key.startswith("gradaccum_")
         }
-        if self._pending:
+        if self._pending and getattr(self.host, "optimizer", None) is not None:
             self.ensure_state()
             self._restore_pending()
+        # Before compile the values wait: the state is made before training.
 
     def _restore_pending(self) -> None:
         if not self._pending or self.state is None:
             return
         for key, variable in self.saved_variables().items():
-            if key in self._pending:
-                variable.assign(self._pending.pop(key))
+            if key not in self._pending:
+                continue
+            value = self._pending.pop(key)
+            if tuple(value.shape) != tuple(variable.shape):
+                # The model's variables changed since: that window cannot go on.
+                if np.any(value):
+                    warnings.warn(
+                        f"gradaccum discards the saved accumulation state {key!r}: its "
+                        f"shape {tuple(value.shape)} is not the variable's "
+                        f"{tuple(variable.shape)} (the model's trainable variables "
+                        "changed).",
+                        stacklevel=2,
+                    )
+                continue
+            variable.assign(value)
 
     # The training step -----------------------------------------------------------
 
@@ -492,6 +524,7 @@ class Accumulation:
         self._micro_batch = keras.utils.unpack_x_y_sample_weight(data)
         self.normalizers.take()
         self._intercepted = 0
+        self._calls_in_step = {}
         layers = []
         if self.state.own:
             layers = self.state.own[0][0].batch_normalization_layers
@@ -543,7 +576,12 @@ class Accumulation:
         if trainable_variables is None:
             trainable_variables = kc.optimizer_variables_of(optimizer)
         variables = list(trainable_variables)
-        acc = self._own_accumulator(optimizer, variables)
+        # A step that hands the same variables to the same optimizer twice makes
+        # two updates per batch: one accumulator per call, each once per window.
+        key = (id(optimizer), tuple(id(v) for v in variables))
+        occurrence = self._calls_in_step.get(key, 0)
+        self._calls_in_step[key] = occurrence + 1
+        acc = self._own_accumulator(optimizer, variables, occurrence)
         x, y, sample_weight = self._micro_batch
         weight = self.micro_batch_weight(x, y, sample_weight, False)
         if kc.is_loss_scale_optimizer(optimizer):
@@ -553,12 +591,14 @@ class Accumulation:
         self._close_if_due(acc, optimizer)
         return optimizer.iterations
 
-    def _own_accumulator(self, optimizer, variables):
+    def _own_accumulator(self, optimizer, variables, occurrence=0):
         for acc, owner in self.state.own:
             if owner is optimizer and len(acc.target_variables) == len(variables) and all(
                 a is b for a, b in zip(acc.target_variables, variables)
             ):
-                return acc
+                if occurrence == 0:
+                    return acc
+                occurrence -= 1
         layers = self._layers.value if not self.state.own else None
         name = f"gradaccum_own_{len(self.state.own)}"
         # Made (and given any restored values) outside the step being traced, once.

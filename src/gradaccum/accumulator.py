@@ -499,8 +499,19 @@ class GradientAccumulator(tf.Module):
             index = {
                 kc.var_key(optimizer, v): i for i, v in enumerate(self.target_variables)
             }
+            # What Keras's optimizer does to a variable outside its update step (a
+            # constraint, an overwrite with the gradient) is undone where the window
+            # gave no gradient, as Keras leaves such a variable alone.
+            kept = [
+                (i, v, tf.identity(v))
+                for i, v in enumerate(self.target_variables)
+                if getattr(v, "constraint", None) is not None
+                or getattr(v, "overwrite_with_gradient", False)
+            ]
             with kc.updating_only(optimizer, lambda key: received[index[key]]):
                 optimizer.apply_gradients(pairs)
+            for i, variable, value in kept:
+                variable.assign(tf.where(received[i], variable, value))
             return tf.constant(True)
 
         tf.cond(tf.reduce_all(received), apply_all, apply_received)

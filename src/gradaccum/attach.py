@@ -73,7 +73,7 @@ def accumulate(
     updates. `fit`'s logs gain `updates` (the optimizer's update count) and
     `skipped` (micro-batches dropped for a non-finite gradient). `compile` defaults
     `steps_per_execution` to the window (`steps`; 1 under several replicas); pass
-    it to choose. `model.save()` writes the model as Keras would; `save_weights`
+    it to choose (a model compiled before `accumulate` keeps its own). `model.save()` writes the model as Keras would; `save_weights`
     (and so `keras.callbacks.BackupAndRestore`) also writes the open window beside
     the weights file (`<file>.gradaccum.npz`), so a run resumed in the middle of a
     window goes on exactly.
