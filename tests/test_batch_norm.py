@@ -98,14 +98,15 @@ def bn_model(layer_cls, seed=0):
     )
 
 
-def test_fit_moves_statistics_once_per_update_with_partial_windows():
-    """Through `wrap`: 3 epochs of 7 micro-batches, steps 3 (3 + 3 + 1 flushed): the
+@pytest.mark.parametrize("door", ["wrap", "accumulate"])
+def test_fit_moves_statistics_once_per_update_with_partial_windows(door):
+    """Through `wrap` or `accumulate`: 3 epochs of 7 micro-batches, steps 3 (3 + 3 + 1 flushed): the
     moving statistics equal a Keras layer fed each window as one batch."""
     rng = np.random.default_rng(2)
     x = (rng.normal(size=(26, 5)) * 2 + 1).astype("float32")
     y = rng.integers(0, 3, size=26)
     model = bn_model(gradaccum.BatchNormalization)
-    trainer = gradaccum.wrap(model, steps=3)
+    trainer = (gradaccum.wrap if door == "wrap" else gradaccum.accumulate)(model, steps=3)
     trainer.compile(
         optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     )
@@ -123,11 +124,13 @@ def test_fit_moves_statistics_once_per_update_with_partial_windows():
     )
 
 
-def test_dropped_partial_window_leaves_the_statistics_alone():
+@pytest.mark.parametrize("door", ["wrap", "accumulate"])
+def test_dropped_partial_window_leaves_the_statistics_alone(door):
     rng = np.random.default_rng(2)
     x = rng.normal(size=(10, 5)).astype("float32")
     model = bn_model(gradaccum.BatchNormalization)
-    trainer = gradaccum.wrap(model, steps=2, partial="drop")
+    make = gradaccum.wrap if door == "wrap" else gradaccum.accumulate
+    trainer = make(model, steps=2, partial="drop")
     trainer.compile(optimizer="sgd", loss="mse")
     trainer.fit(x, np.zeros((10, 3)), batch_size=4, shuffle=False, verbose=0)
     reference = keras.layers.BatchNormalization(momentum=0.8)
