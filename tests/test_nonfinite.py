@@ -95,12 +95,16 @@ def test_apply_is_keras_behaviour():
     assert np.isnan(model.get_weights()[0]).any()
 
 
+DOORS = {"wrap": gradaccum.wrap, "accumulate": gradaccum.accumulate}
+
+
+@pytest.mark.parametrize("door", DOORS)
 @pytest.mark.parametrize("steps", [1, 3])
-def test_fit_skips_by_default_and_shows_the_counter(steps):
+def test_fit_skips_by_default_and_shows_the_counter(steps, door):
     x, y = make_data(24)
     bad = poisoned(x, 9)
     model = make_mlp()
-    trainer = gradaccum.wrap(model, steps=steps)
+    trainer = DOORS[door](model, steps=steps)
     trainer.compile(optimizer=OPTIMIZERS["adam"](), loss=SCE)
     with pytest.warns(UserWarning, match=r"skipped 1 micro-batch\(es\)"):
         history = trainer.fit(bad, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
@@ -114,30 +118,33 @@ def test_fit_skips_by_default_and_shows_the_counter(steps):
     assert_same_state(model, trainer.optimizer, ref_model, ref_opt, rtol=1e-5)
 
 
-def test_fit_raise_stops_at_the_micro_batch():
+@pytest.mark.parametrize("door", DOORS)
+def test_fit_raise_stops_at_the_micro_batch(door):
     x, y = make_data(16)
-    trainer = gradaccum.wrap(make_mlp(), steps=2, nonfinite="raise")
+    trainer = DOORS[door](make_mlp(), steps=2, nonfinite="raise")
     trainer.compile(optimizer="sgd", loss=SCE)
     with pytest.raises(tf.errors.InvalidArgumentError, match="in micro-batch"):
         trainer.fit(poisoned(x, 13), y, batch_size=4, shuffle=False, verbose=0)
 
 
-def test_fit_apply_lets_nan_through_as_keras_does():
+@pytest.mark.parametrize("door", DOORS)
+def test_fit_apply_lets_nan_through_as_keras_does(door):
     x, y = make_data(16)
     model = make_mlp()
-    trainer = gradaccum.wrap(model, steps=2, nonfinite="apply")
+    trainer = DOORS[door](model, steps=2, nonfinite="apply")
     trainer.compile(optimizer="sgd", loss=SCE)
     history = trainer.fit(poisoned(x, 13), y, batch_size=4, shuffle=False, verbose=0)
     assert "skipped" not in history.history
     assert np.isnan(model.get_weights()[0]).all()
 
 
-def test_raise_under_xla_raises_after_the_compiled_call():
+@pytest.mark.parametrize("door", DOORS)
+def test_raise_under_xla_raises_after_the_compiled_call(door):
     """XLA compiles the step's assertion away: the micro-batch is skipped, and fit
     raises after the compiled call that skipped it."""
     x, y = make_data(16)
     model = make_mlp()
-    trainer = gradaccum.wrap(model, steps=2, nonfinite="raise")
+    trainer = DOORS[door](model, steps=2, nonfinite="raise")
     trainer.compile(optimizer="sgd", loss=SCE, jit_compile=True)
     with pytest.raises(tf.errors.InvalidArgumentError) as info:
         trainer.fit(poisoned(x, 13), y, batch_size=4, shuffle=False, verbose=0)
