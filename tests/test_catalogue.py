@@ -51,6 +51,26 @@ def fit_poisoned_under_xla():
     wrapped.fit(x, y, batch_size=4, verbose=0)
 
 
+def named_mlp(name):
+    model = make_mlp()
+    model.name = name
+    return model
+
+
+class Idle(keras.Model):
+    """Its own train_step never hands gradients to an optimizer."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, data):
+        return {}
+
+
 def empty_data():
     x, y = np.zeros((0, 5), "float32"), np.zeros((0,), "int64")
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
@@ -181,6 +201,13 @@ CASES = {
         keras.optimizers.SGD(gradient_accumulation_steps=2), [tf.zeros([2])]
     ),
     # wrap(...) / AccumulatingModel(...)
+    "accumulate-model": lambda: gradaccum.accumulate("model", steps=2),
+    "accumulate-twice": lambda: gradaccum.accumulate(
+        gradaccum.accumulate(named_mlp("net"), steps=2), steps=2
+    ),
+    "accumulate-steps": lambda: gradaccum.accumulate(make_mlp(), steps=0),
+    "accumulate-partial": lambda: gradaccum.accumulate(make_mlp(), steps=2, partial="keep"),
+    "accumulate-step-without-optimizer": lambda: fit(gradaccum.accumulate(Idle(), steps=2)),
     "wrap-model": lambda: gradaccum.wrap("model", steps=2),
     "wrap-wrapped": lambda: gradaccum.wrap(trainer(), steps=2),
     "wrap-steps": lambda: trainer(steps=2.5),
