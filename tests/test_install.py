@@ -162,7 +162,8 @@ BOTH_MISSING = (
 
 @pytest.fixture(scope="module")
 def cpu_install(tmp_path_factory):
-    """A fresh venv after `pip install 'gradaccum[cpu]'`, the README's CPU install.
+    """A fresh venv after `pip install 'gradaccum[cpu]'`, the README's CPU install
+    (`[tf]` where this environment holds the standard TensorFlow wheel).
 
     TensorFlow and the other dependencies are this environment's own, linked in so
     that pip finds them satisfied and downloads nothing but its build backend;
@@ -172,7 +173,10 @@ def cpu_install(tmp_path_factory):
     base = tmp_path_factory.mktemp("cpu-install")
     purelib = _make_venv(base / "venv", with_pip=True)
     requirements = importlib.metadata.requires("gradaccum") or []
-    for name in _dependencies(requirements, {"cpu"}) - {"gradaccum"}:
+    # The extra whose TensorFlow wheel this environment holds: `cpu` (tensorflow-cpu)
+    # for users, `tf` (the standard wheel) where the test install put KerasHub.
+    extra = "cpu" if _installed("tensorflow-cpu") else "tf"
+    for name in _dependencies(requirements, {extra}) - {"gradaccum"}:
         _link(_top_level(importlib.metadata.distribution(name)), purelib)
     project = base / "project"
     shutil.copytree(ROOT / "src", project / "src",
@@ -181,12 +185,20 @@ def cpu_install(tmp_path_factory):
         shutil.copy(ROOT / name, project / name)
     pip = subprocess.run(
         [str(base / "venv" / "bin" / "python"), "-m", "pip", "install", "--no-input",
-         f"{project}[cpu]"],
+         f"{project}[{extra}]"],
         capture_output=True, text=True, timeout=300, env=_clean_env(), cwd=base,
     )
     assert pip.returncode == 0, pip.stdout[-3000:] + pip.stderr[-3000:]
     assert "Downloading" not in pip.stdout  # TensorFlow and co. were found installed
     return base / "venv"
+
+
+def _installed(name: str) -> bool:
+    try:
+        importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def _run(venv: pathlib.Path, *argv: str, python: bool = False) -> subprocess.CompletedProcess:
@@ -232,7 +244,8 @@ def test_console_script_without_tensorflow_says_so_in_one_line(cpu_install, tmp_
     venv = tmp_path / "venv"
     shutil.copytree(cpu_install, venv, symlinks=True)
     purelib = pathlib.Path(next(venv.glob("lib/python*/site-packages")))
-    removed = _top_level(importlib.metadata.distribution("tensorflow-cpu"))
+    wheel = "tensorflow-cpu" if _installed("tensorflow-cpu") else "tensorflow"
+    removed = _top_level(importlib.metadata.distribution(wheel))
     for name in removed:
         (purelib / name).unlink()
     assert not _found(venv, "tensorflow")
