@@ -247,9 +247,10 @@ def test_accumulate_invalid_options(options, message):
 def test_disable_refuses_a_model_not_accumulating(obj):
     with pytest.raises(ValueError) as info:
         gradaccum.disable(obj)
+    shown = f"{obj.name!r}" if isinstance(obj, keras.Model) else f"{obj!r}"
     assert str(info.value) == (
         "`model` must be a model that gradaccum accumulates for (returned by "
-        f"`gradaccum.accumulate`). Received: {obj!r}"
+        f"`gradaccum.accumulate`). Received: model={shown} of type {type(obj).__name__}"
     )
 
 

@@ -19,6 +19,7 @@ callback that runs first among `fit`'s callbacks.
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import keras
@@ -200,6 +201,15 @@ for _event in [name for name in dir(keras.callbacks.Callback) if name.startswith
     )
 
 
+def _scaled(gradient, factor):
+    if gradient is None:
+        return None
+    if isinstance(gradient, tf.IndexedSlices):
+        values = gradient.values * tf.cast(factor, gradient.values.dtype)
+        return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
+    return gradient * tf.cast(factor, gradient.dtype)
+
+
 def uses_default_train_step(model) -> bool:
     """Whether the model's class trains with Keras's own `train_step`."""
     return type(model).train_step is keras.Model.train_step
@@ -244,9 +254,13 @@ class Accumulation:
         self._inexact_warned = False
         # A model's own step: the micro-batch being trained and a guard against
         # intercepting gradaccum's own optimizer calls.
-        self._micro_batch = None
-        self._applying = False
-        self._intercepted = 0
+        # Per thread: MirroredStrategy runs each replica's step in a thread of its
+        # own (the micro-batch in training, what its step handed over).
+        self._local = threading.local()
+        # The optimizers' `apply` is redirected while any replica is in its step.
+        self._redirect_lock = threading.Lock()
+        self._redirected = []
+        self._redirect_users = 0
         self._pending = {}
         self._own_step = None
         # `accumulate`: the compile the user made, restored by `disable`.
@@ -521,17 +535,22 @@ class Accumulation:
         """The model's own `train_step`, its optimizer calls accumulated."""
         host = self.host
         self.state.epoch_step.assign_add(1)
-        self._micro_batch = keras.utils.unpack_x_y_sample_weight(data)
+        local = self._local
+        local.micro_batch = keras.utils.unpack_x_y_sample_weight(data)
         self.normalizers.take()
-        self._intercepted = 0
-        self._calls_in_step = {}
+        local.intercepted = 0
+        local.calls_in_step = {}
         layers = []
         if self.state.own:
             layers = self.state.own[0][0].batch_normalization_layers
-        with self._intercepting(optimizers_of(host)), batch_norm.driving(layers):
-            logs = own_step(data)
-        self._micro_batch = None
-        if not self._intercepted:
+        self._redirect(optimizers_of(host))
+        try:
+            with batch_norm.driving(layers):
+                logs = own_step(data)
+        finally:
+            self._end_redirect()
+        local.micro_batch = None
+        if not local.intercepted:
             raise ValueError(
                 f"The train_step of {type(host).__name__} must hand its gradients to an "
                 "optimizer of the model (`self.optimizer.apply_gradients(...)` or "
@@ -541,37 +560,39 @@ class Accumulation:
             )
         return logs
 
-    def _intercepting(self, optimizers):
-        accumulation = self
+    def _redirect(self, optimizers) -> None:
+        """Routes each optimizer's `apply` (which `apply_gradients` calls) to the
+        accumulators, while any replica is inside its step."""
+        with self._redirect_lock:
+            self._redirect_users += 1
+            if self._redirect_users > 1:
+                return
+            for optimizer in optimizers:
+                self._redirected.append(
+                    (optimizer, "apply" in optimizer.__dict__, optimizer.__dict__.get("apply"))
+                )
 
-        class Intercepting:
-            def __enter__(self):
-                self._restore = []
-                for optimizer in optimizers:
-                    original = optimizer.apply
-                    self._restore.append((optimizer, "apply" in optimizer.__dict__,
-                                          optimizer.__dict__.get("apply")))
+                def apply(grads, trainable_variables=None, *, _opt=optimizer):
+                    # gradaccum's own updates go past this (kc.apply_gradients).
+                    return self._accumulate_own(_opt, grads, trainable_variables)
 
-                    def apply(grads, trainable_variables=None, *, _opt=optimizer,
-                              _original=original):
-                        if accumulation._applying:
-                            return _original(grads, trainable_variables)
-                        return accumulation._accumulate_own(_opt, grads, trainable_variables)
+                optimizer.apply = apply
 
-                    optimizer.apply = apply
-
-            def __exit__(self, *exc):
-                for optimizer, had, value in self._restore:
-                    if had:
-                        optimizer.apply = value
-                    else:
-                        del optimizer.apply
-                return False
-
-        return Intercepting()
+    def _end_redirect(self) -> None:
+        with self._redirect_lock:
+            self._redirect_users -= 1
+            if self._redirect_users:
+                return
+            for optimizer, had, value in self._redirected:
+                if had:
+                    optimizer.apply = value
+                else:
+                    del optimizer.apply
+            self._redirected = []
 
     def _accumulate_own(self, optimizer, grads, trainable_variables):
-        self._intercepted += 1
+        local = self._local
+        local.intercepted += 1
         grads = list(grads)
         if trainable_variables is None:
             trainable_variables = kc.optimizer_variables_of(optimizer)
@@ -579,11 +600,17 @@ class Accumulation:
         # A step that hands the same variables to the same optimizer twice makes
         # two updates per batch: one accumulator per call, each once per window.
         key = (id(optimizer), tuple(id(v) for v in variables))
-        occurrence = self._calls_in_step.get(key, 0)
-        self._calls_in_step[key] = occurrence + 1
+        occurrence = local.calls_in_step.get(key, 0)
+        local.calls_in_step[key] = occurrence + 1
         acc = self._own_accumulator(optimizer, variables, occurrence)
-        x, y, sample_weight = self._micro_batch
+        x, y, sample_weight = local.micro_batch
         weight = self.micro_batch_weight(x, y, sample_weight, False)
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        if replicas > 1:
+            # Keras's losses divide a replica's loss by the replica count (its
+            # optimizer then sums the replicas): undone, so that the weighted
+            # window is the global window's gradient.
+            grads = [_scaled(g, replicas) for g in grads]
         if kc.is_loss_scale_optimizer(optimizer):
             acc.accumulate(grads, weight, loss_scale_optimizer=optimizer)
         else:
@@ -645,14 +672,10 @@ class Accumulation:
         return tf.logical_and(state.epoch_length > 0, state.epoch_step >= state.epoch_length)
 
     def _close_if_due(self, acc, optimizer) -> None:
-        self._applying = True
-        try:
-            _window.close_if_due(
-                acc, optimizer, self.options.steps, self.options.partial,
-                self._end_of_data_in_step(),
-            )
-        finally:
-            self._applying = False
+        _window.close_if_due(
+            acc, optimizer, self.options.steps, self.options.partial,
+            self._end_of_data_in_step(),
+        )
 
     def end_of_data(self) -> None:
         """Closes the open windows as `partial` says (idempotent)."""
@@ -669,12 +692,8 @@ class Accumulation:
                 return tf.constant(True)
 
             self._end_of_data_function = close if host.run_eagerly else tf.function(close)
-        self._applying = True
-        try:
-            with host.distribute_strategy.scope():
-                self._end_of_data_function()
-        finally:
-            self._applying = False
+        with host.distribute_strategy.scope():
+            self._end_of_data_function()
 
     # Warnings --------------------------------------------------------------------
 

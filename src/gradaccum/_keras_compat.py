@@ -261,6 +261,14 @@ def observing_epoch_length(model, hook):
         yield
 
 
+def apply_gradients(optimizer, pairs) -> None:
+    """`optimizer.apply_gradients(pairs)` as its class defines it: gradaccum's own
+    update goes past the redirect that `gradaccum.accumulate` sets on a model's
+    optimizers while its train_step runs (a public method, reached on the class)."""
+    grads, variables = zip(*pairs) if pairs else ((), ())
+    type(optimizer).apply(optimizer, list(grads), list(variables))
+
+
 def var_key(optimizer, variable):
     """The key under which `optimizer` knows `variable` (a replica's copy included)."""
     return optimizer._var_key(variable)
@@ -306,6 +314,7 @@ __all__ = [
     "apply_mask",
     "get_keras_mask",
     "applying_across_replicas",
+    "apply_gradients",
     "tf_variable",
     "observing_epoch_length",
     "updating_only",

@@ -370,8 +370,9 @@ class GradientAccumulator(tf.Module):
         gradients = check_gradients(gradients, self.target_variables)
 
         def apply():
-            optimizer.apply_gradients(
-                [(g, v) for g, v in zip(gradients, self.target_variables) if g is not None]
+            kc.apply_gradients(
+                optimizer,
+                [(g, v) for g, v in zip(gradients, self.target_variables) if g is not None],
             )
 
         return self._screened(gradients, apply, windowed=False)
@@ -492,7 +493,7 @@ class GradientAccumulator(tf.Module):
         received = received > 0
 
         def apply_all():
-            optimizer.apply_gradients(pairs)
+            kc.apply_gradients(optimizer, pairs)
             return tf.constant(True)
 
         def apply_received():
@@ -509,7 +510,7 @@ class GradientAccumulator(tf.Module):
                 or getattr(v, "overwrite_with_gradient", False)
             ]
             with kc.updating_only(optimizer, lambda key: received[index[key]]):
-                optimizer.apply_gradients(pairs)
+                kc.apply_gradients(optimizer, pairs)
             for i, variable, value in kept:
                 variable.assign(tf.where(received[i], variable, value))
             return tf.constant(True)

@@ -73,7 +73,8 @@ def accumulate(
     updates. `fit`'s logs gain `updates` (the optimizer's update count) and
     `skipped` (micro-batches dropped for a non-finite gradient). `compile` defaults
     `steps_per_execution` to the window (`steps`; 1 under several replicas); pass
-    it to choose (a model compiled before `accumulate` keeps its own). `model.save()` writes the model as Keras would; `save_weights`
+    it to choose (a model compiled before `accumulate` keeps its own).
+    `model.save()` writes the model as Keras would; `save_weights`
     (and so `keras.callbacks.BackupAndRestore`) also writes the open window beside
     the weights file (`<file>.gradaccum.npz`), so a run resumed in the middle of a
     window goes on exactly.
@@ -160,9 +161,14 @@ def disable(model):
     """
     accumulation = accumulation_of(model) if isinstance(model, keras.Model) else None
     if accumulation is None:
+        received = (
+            f"model={model.name!r} of type {type(model).__name__}"
+            if isinstance(model, keras.Model)
+            else f"model={model!r} of type {type(model).__name__}"
+        )
         raise ValueError(
             "`model` must be a model that gradaccum accumulates for (returned by "
-            f"`gradaccum.accumulate`). Received: {model!r}"
+            f"`gradaccum.accumulate`). Received: {received}"
         )
     state = accumulation.state
     if state is not None:
