@@ -148,7 +148,6 @@ class EpochHook(keras.callbacks.Callback):
                 raise tf.errors.InvalidArgumentError(
                     None, None, compiled_raise_message(skipped)
                 )
-        accumulation.write_logs(logs)
 
     def on_epoch_begin(self, epoch, logs=None):
         state = self._state
@@ -336,13 +335,28 @@ class Accumulation:
         if self.skips_possible():
             logs["skipped"] = float(self.state.skipped)
 
+    def with_counters(self, logs):
+        """The step's logs with `updates` and `skipped`, read in the compiled step
+        (no host round trip per batch); the epoch's are written by the hook after
+        its end-of-data window."""
+        if not isinstance(logs, dict):
+            return logs
+        logs = dict(logs)
+        optimizer = self._updating_optimizer()
+        if optimizer is not None:
+            logs["updates"] = tf.cast(optimizer.iterations, tf.float32)
+        if self.skips_possible():
+            counts = [tf.cast(acc.skipped, tf.float32) for acc in self.state.accumulators()]
+            logs["skipped"] = tf.add_n(counts) if counts else tf.constant(0.0)
+        return logs
+
     def _updating_optimizer(self):
         """The optimizer whose update count `updates` logs: the model's `optimizer`,
         unless the model's own train_step never handed it gradients while it trained
         other optimizers (a GAN's, created in its `compile`: `model.optimizer` is then
-        Keras's unused default)."""
+        Keras's unused default). Known once the step is traced."""
         optimizer = getattr(self.host, "optimizer", None)
-        used = [owner for acc, owner in self.state.own if int(acc.micro_batches.numpy())]
+        used = [owner for _, owner in self.state.own]
         if not used or any(owner is optimizer for owner in used):
             return optimizer
         return used[0]
@@ -456,14 +470,14 @@ class Accumulation:
             lambda data: self.intercepted_step(own_step, data)
         )
         if not self.resumable:
-            return step(data)
+            return self.with_counters(step(data))
         # Under BackupAndRestore a fit may restart inside an epoch and must skip the
         # micro-batches already trained on. The training branch is traced first:
         # the skipping branch reports logs of the same structure.
         spec = []
 
         def train():
-            logs = step(data)
+            logs = self.with_counters(step(data))
             spec.append(tf.nest.map_structure(tf.convert_to_tensor, logs))
             return logs
 
@@ -472,7 +486,7 @@ class Accumulation:
             state.resume_skip.assign_sub(1)
             state.epoch_step.assign_add(1)
             if own_step is None:
-                return self.host.get_metrics_result()
+                return self.with_counters(self.host.get_metrics_result())
             return tf.nest.map_structure(lambda t: tf.zeros_like(t), spec[0])
 
         return tf.cond(self.state.resume_skip <= 0, train, skip)
