@@ -44,11 +44,6 @@ def check_nonfinite(nonfinite):
     )
 
 
-def policy_name(nonfinite) -> str:
-    """`nonfinite`'s name, `"callable"` for a user function."""
-    return "callable" if callable(nonfinite) else nonfinite
-
-
 def _values(gradient):
     return gradient.values if isinstance(gradient, tf.IndexedSlices) else gradient
 
