@@ -21,6 +21,7 @@ import warnings
 import tensorflow as tf
 
 from gradaccum._keras_compat import back_off_loss_scale  # noqa: F401 (re-exported)
+from gradaccum._validation import check_callable_result
 
 NONFINITE = ("skip", "raise", "apply")
 
@@ -71,19 +72,13 @@ def all_finite(gradients):
 
 def user_skip(nonfinite, gradients):
     """Calls a user's `nonfinite` callable and checks that it gives a boolean scalar."""
-    verdict = nonfinite(list(gradients))
-    verdict = tf.convert_to_tensor(verdict)
-    if verdict.dtype != tf.bool:
-        raise ValueError(
-            "The `nonfinite` callable must return a boolean (True: skip the "
-            f"micro-batch). Received: a value of dtype {verdict.dtype.name}"
-        )
-    if verdict.shape.rank is not None and verdict.shape.num_elements() != 1:
-        raise ValueError(
-            "The `nonfinite` callable must return a scalar boolean. "
-            f"Received: a value of shape {tuple(verdict.shape)}"
-        )
-    return tf.reshape(verdict, ())
+    return check_callable_result(
+        nonfinite(list(gradients)),
+        "nonfinite",
+        kind="a boolean (True: skip the micro-batch)",
+        scalar="a scalar boolean",
+        accepts=lambda dtype: dtype == tf.bool,
+    )
 
 
 def accept(nonfinite, gradients):

@@ -169,3 +169,22 @@ def check_weight(weight, dtype):
     else:
         check_weight_value(weight.numpy() if hasattr(weight, "numpy") else weight)
     return tf.reshape(tf.cast(weight, dtype), ())
+
+
+def check_callable_result(value, option: str, *, kind: str, scalar: str, accepts):
+    """A user callable's result (`nonfinite`, `weighting`) as a scalar tensor, or the
+    fixed-form ValueError: `accepts(dtype)` says whether its dtype is `kind`."""
+    import tensorflow as tf
+
+    value = tf.convert_to_tensor(value)
+    if not accepts(value.dtype):
+        raise ValueError(
+            f"The `{option}` callable must return {kind}. "
+            f"Received: a value of dtype {value.dtype.name}"
+        )
+    if value.shape.rank is not None and value.shape.num_elements() != 1:
+        raise ValueError(
+            f"The `{option}` callable must return {scalar}. "
+            f"Received: a value of shape {tuple(value.shape)}"
+        )
+    return tf.reshape(value, ())

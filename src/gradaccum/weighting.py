@@ -19,6 +19,7 @@ import keras
 import tensorflow as tf
 
 from gradaccum import _keras_compat as kc
+from gradaccum._validation import check_callable_result
 
 WEIGHTINGS = ("exact", "uniform")
 _EXACT_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
@@ -174,18 +175,14 @@ def record_normalizers(loss, log: NormalizerLog):
 
 def callable_weight(fn, x, y, sample_weight):
     """Calls a user weighting function and checks that it gives a scalar >= 0."""
-    weight = tf.convert_to_tensor(fn(x, y, sample_weight))
-    if not weight.dtype.is_floating and not weight.dtype.is_integer:
-        raise ValueError(
-            "The `weighting` callable must return a number. "
-            f"Received: a value of dtype {weight.dtype.name}"
-        )
-    if weight.shape.rank is not None and weight.shape.num_elements() != 1:
-        raise ValueError(
-            "The `weighting` callable must return a scalar weight. "
-            f"Received: a value of shape {tuple(weight.shape)}"
-        )
-    weight = tf.reshape(tf.cast(weight, tf.float32), ())
+    weight = check_callable_result(
+        fn(x, y, sample_weight),
+        "weighting",
+        kind="a number",
+        scalar="a scalar weight",
+        accepts=lambda dtype: dtype.is_floating or dtype.is_integer,
+    )
+    weight = tf.cast(weight, tf.float32)
     check = tf.debugging.assert_greater_equal(
         weight,
         0.0,
