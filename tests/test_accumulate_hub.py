@@ -16,17 +16,7 @@ import tensorflow as tf
 import gradaccum
 import hub_models
 from gradaccum.attach import accumulation_of
-
-
-def assert_weights_close(a, b, rtol=1e-5, atol=1e-6):
-    wa, wb = a.get_weights(), b.get_weights()
-    assert len(wa) == len(wb)
-    for va, vb in zip(wa, wb):
-        np.testing.assert_allclose(va, vb, rtol=rtol, atol=atol)
-
-
-def max_gap(a, b):
-    return max(float(np.abs(va - vb).max()) for va, vb in zip(a.get_weights(), b.get_weights()))
+from test_keras_model import assert_weights_close, max_gap
 
 
 @pytest.fixture(scope="module")
