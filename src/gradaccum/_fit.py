@@ -27,7 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from gradaccum import _keras_compat as kc
-from gradaccum import _window, batch_norm
+from gradaccum import _retry, _split, _window, batch_norm
 from gradaccum._combine import REDUCTIONS
 from gradaccum._distributed import COUNTED, distribution_of
 from gradaccum._screening import check_nonfinite, compiled_raise_message
@@ -35,7 +35,7 @@ from gradaccum._state import Untracked
 from gradaccum._validation import (
     check_accumulator_dtype,
     check_choice,
-    check_steps,
+    check_window_options,
 )
 from gradaccum.accumulator import GradientAccumulator
 from gradaccum.weighting import NormalizerLog, callable_weight, check_weighting
@@ -44,16 +44,33 @@ PARTIALS = _window.PARTIALS
 
 
 class Options:
-    """The accumulation options, checked once (fixed-form errors)."""
+    """The accumulation options, checked once (fixed-form errors).
 
-    def __init__(self, steps, weighting="exact", partial="flush", reduction="mean",
-                 accumulator_dtype="float32", nonfinite="skip"):
-        self.steps = check_steps(steps)
-        self.weighting = check_weighting(weighting)
+    Either `steps` (each batch is a micro-batch; `steps` of them make an update) or
+    `micro_batch_size` (split mode: each batch is split into micro-batches of at
+    most that many samples, or `"auto"`, and makes one update).
+    """
+
+    def __init__(self, steps=None, weighting="exact", partial="flush", reduction="mean",
+                 accumulator_dtype="float32", nonfinite="skip", *,
+                 micro_batch_size=None, max_micro_batch_size=None):
         self.partial = check_choice("partial", partial, PARTIALS)
+        self.steps, self.micro_batch_size, self.max_micro_batch_size = (
+            check_window_options(steps, micro_batch_size, max_micro_batch_size, partial)
+        )
+        self.weighting = check_weighting(weighting)
         self.reduction = check_choice("reduction", reduction, REDUCTIONS)
         self.accumulator_dtype = check_accumulator_dtype(accumulator_dtype).name
         self.nonfinite = check_nonfinite(nonfinite)
+
+    @property
+    def split(self) -> bool:
+        """Whether each batch is split into micro-batches (one update per batch)."""
+        return self.micro_batch_size is not None
+
+    @property
+    def auto(self) -> bool:
+        return self.micro_batch_size == "auto"
 
     def accumulator(self, variables, *, layers=None, name="gradient_accumulator"):
         return GradientAccumulator(
@@ -91,6 +108,11 @@ class FitState(tf.Module):
             tf.zeros([terms], tf.float32), name="term_ratios", **COUNTED
         )
         self.inexact = tf.Variable(False, name="inexact", **COUNTED)
+        # Split mode: the micro-batch size the step uses ("auto" changes it between
+        # calls without a retrace), and whether the step got as far as applying
+        # (a step that failed after that point cannot be retried).
+        self.micro_batch_size = tf.Variable(1, name="micro_batch_size", **int64)
+        self.applying = tf.Variable(False, name="applying", **COUNTED)
 
     def accumulators(self) -> list:
         """Every accumulator with the optimizer it applies with."""
@@ -264,10 +286,67 @@ class Accumulation:
         self._own_step = None
         # `accumulate`: the compile the user made, restored by `disable`.
         self.user_compile_config = None
+        # Split mode: whether XLA compiles each micro-batch (the host's jit_compile),
+        # and the search of micro_batch_size="auto".
+        self._micro_batch_jit = False
+        self.auto_size = (
+            _split.AutoSize(options.max_micro_batch_size) if options.auto else None
+        )
+        self._verbose = 0
+        self._announced = False
 
     @property
     def host(self):
         return self._host.value
+
+    @property
+    def micro_batch_size(self) -> int | None:
+        """The micro-batch size of split mode: the one given, or the one
+        `"auto"` chose (None before its first batch, and in `steps` mode)."""
+        if self.auto_size is not None:
+            return self.auto_size.chosen
+        return self.options.micro_batch_size
+
+    def size_chosen(self) -> None:
+        """`"auto"` ran a batch: the host's `micro_batch_size` follows the search,
+        which says once (when `fit` is verbose) where it settled."""
+        search = self.auto_size
+        self.host.__dict__["micro_batch_size"] = search.chosen
+        if search.settled and not self._announced:
+            self._announced = True
+            if self._verbose:
+                failed = ", ".join(str(size) for size in search.failures)
+                reason = f" ({failed} ran out of memory)" if failed else ""
+                # On a line of its own, after the progress bar's.
+                start = "\n" if self._verbose in (1, "auto") else ""
+                print(
+                    f'{start}gradaccum: micro_batch_size="auto" settled on '
+                    f"{search.chosen} samples per micro-batch{reason}."
+                )
+
+    def make_train_function(self, make, force=False):
+        """Makes the host's train function with Keras's `make` (its own
+        `make_train_function`), after the state; in split mode with `jit_compile`
+        each micro-batch is compiled with XLA rather than the whole step, and with
+        `"auto"` the function retries a batch that ran out of memory."""
+        self.ensure_state()
+        host = self.host
+        self._micro_batch_jit = bool(
+            self.options.split and not host.run_eagerly and host.jit_compile
+        )
+        if self._micro_batch_jit:
+            # Keras reads `jit_compile` when it makes the function.
+            host.jit_compile = False
+            try:
+                make(force=force)
+            finally:
+                host.jit_compile = True
+        else:
+            make(force=force)
+        function = host.train_function
+        if self.options.auto and not getattr(function, "gradaccum_retrying", False):
+            host.train_function = _retry.retrying(self, function)
+        return host.train_function
 
     def attach(self, host, own_step=None) -> None:
         """Attaches to `host`; `own_step` is the host's own `train_step` (bound), or
@@ -294,6 +373,7 @@ class Accumulation:
     def fit(self, fit, x, y, batch_size, epochs, verbose, callbacks, kwargs):
         """Runs `fit` (the host's own) with gradaccum's hook first among callbacks."""
         host = self.host
+        self._verbose = verbose
         hook = EpochHook(self)
         hook.epochs_to_run = epochs > kwargs.get("initial_epoch", 0)
         if isinstance(callbacks, keras.callbacks.CallbackList):
@@ -334,6 +414,8 @@ class Accumulation:
             logs["updates"] = float(optimizer.iterations.numpy())
         if self.skips_possible():
             logs["skipped"] = float(self.state.skipped)
+        if self.auto_size is not None and self.auto_size.chosen is not None:
+            logs["micro_batch_size"] = float(self.auto_size.chosen)
 
     def with_counters(self, logs):
         """The step's logs with `updates` and `skipped`, read in the compiled step
@@ -466,9 +548,12 @@ class Accumulation:
         """One micro-batch: gradaccum's exact step, or the model's own step with its
         optimizer calls accumulated."""
         own_step = self._own_step
-        step = self.exact_step if own_step is None else (
-            lambda data: self.intercepted_step(own_step, data)
-        )
+        if self.options.split:
+            step = self.split_step
+        elif own_step is None:
+            step = self.exact_step
+        else:
+            step = lambda data: self.intercepted_step(own_step, data)  # noqa: E731
         if not self.resumable:
             return self.with_counters(step(data))
         # Under BackupAndRestore a fit may restart inside an epoch and must skip the
@@ -492,28 +577,39 @@ class Accumulation:
         return tf.cond(self.state.resume_skip <= 0, train, skip)
 
     def exact_step(self, data):
-        """gradaccum's step for a host that uses Keras's default `train_step`."""
+        """gradaccum's step for a host that uses Keras's default `train_step`: one
+        micro-batch, and an update when the window is due."""
         host = self.host
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        state = self.state
-        acc = state.accumulator
-        options = self.options
-        variables = list(acc.target_variables)
-        self.normalizers.take()
-        distributed = tf.distribute.has_strategy()
-        loss_scaled = kc.is_loss_scale_optimizer(host.optimizer)
+        acc = self.state.accumulator
         # A window of one micro-batch on one device: G = w g / w = g, applied
         # without the accumulators' copy.
-        single = options.steps == 1 and not (
-            distributed or loss_scaled or acc.batch_normalization_layers
+        single = self.options.steps == 1 and not (
+            tf.distribute.has_strategy()
+            or kc.is_loss_scale_optimizer(host.optimizer)
+            or acc.batch_normalization_layers
         )
+        y_pred = self._exact_micro_batch(x, y, sample_weight, single=single)
+        self.state.epoch_step.assign_add(1)
+        if not single:
+            self._close_if_due(acc, host.optimizer)
+        return host.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def _exact_micro_batch(self, x, y, sample_weight, single=False):
+        """Forward, the host's loss and backward of one micro-batch, accumulated
+        (applied at once when `single`). Returns the predictions."""
+        host = self.host
+        acc = self.state.accumulator
+        variables = list(acc.target_variables)
+        self.normalizers.take()
+        loss_scaled = kc.is_loss_scale_optimizer(host.optimizer)
         # With reduction "mean", differentiate w_i * L_i: the weight is applied once
         # to the loss rather than to every gradient. Under tf.distribute, L_i is the
         # replica's own loss (Keras divides it by the replica count: undone here),
         # so that the reduced sums give the global window's gradient exactly. Under
         # loss scaling the weight is applied with the unscaling instead, so that the
         # scaled loss is what Keras would scale (no extra overflows).
-        weigh_loss = options.reduction == "mean" and not (single or loss_scaled)
+        weigh_loss = self.options.reduction == "mean" and not (single or loss_scaled)
         with tf.GradientTape() as tape, batch_norm.driving(acc.batch_normalization_layers):
             if kc.call_has_training_arg(host):
                 y_pred = host(x, training=True)
@@ -533,22 +629,67 @@ class Accumulation:
         kc.loss_tracker(host).update_state(
             kc.unscale_loss_for_distribution(loss), sample_weight=weight
         )
-        state.epoch_step.assign_add(1)
         if single:
             acc._apply_single(host.optimizer, gradients)
         elif loss_scaled:
             # Unscaled and weighed in one multiply by the accumulator.
             acc.accumulate(gradients, weight, loss_scale_optimizer=host.optimizer)
-            self._close_if_due(acc, host.optimizer)
         else:
             acc.accumulate_weighted(gradients, weight)
-            self._close_if_due(acc, host.optimizer)
-        return host.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return y_pred
+
+    # Split mode ------------------------------------------------------------------
+
+    def split_step(self, data):
+        """One batch split into micro-batches (`micro_batch_size`), their gradients
+        combined exactly and applied once: the batch is the window."""
+        state = self.state
+        own_step = self._own_step
+        state.epoch_step.assign_add(1)
+        if self.options.auto:
+            state.applying.assign(False)
+        size = self._micro_batch_size_in_step()
+        if own_step is None:
+            host = self.host
+            micro_batch = self._exact_split_micro_batch
+            if self._micro_batch_jit:
+                # XLA compiles each micro-batch; the loop around it stays outside,
+                # so a smaller last micro-batch is one more compiled shape.
+                micro_batch = tf.function(micro_batch, jit_compile=True, autograph=False)
+            done = _split.for_each(data, size, micro_batch)
+            logs = host.get_metrics_result()
+            pairs = [(state.accumulator, host.optimizer)]
+        else:
+            logs = _split.fold(
+                data, size, lambda micro: self.intercepted_step(own_step, micro)
+            )
+            done = tf.nest.flatten(logs)
+            pairs = list(state.own)
+        if self.options.auto:
+            # Ops on different variables are not ordered by themselves: this one
+            # must follow the micro-batches.
+            with tf.control_dependencies(tf.nest.flatten(done)):
+                state.applying.assign(True)
+        for acc, optimizer in pairs:
+            acc.apply(optimizer)
+        return logs
+
+    def _exact_split_micro_batch(self, micro):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(micro)
+        y_pred = self._exact_micro_batch(x, y, sample_weight)
+        self.host.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return tf.constant(True)
+
+    def _micro_batch_size_in_step(self):
+        if self.options.auto:
+            return tf.cast(self.state.micro_batch_size, tf.int32)
+        return tf.constant(self.options.micro_batch_size, tf.int32)
 
     def intercepted_step(self, own_step, data):
         """The model's own `train_step`, its optimizer calls accumulated."""
         host = self.host
-        self.state.epoch_step.assign_add(1)
+        if not self.options.split:
+            self.state.epoch_step.assign_add(1)
         local = self._local
         local.micro_batch = keras.utils.unpack_x_y_sample_weight(data)
         self.normalizers.take()
@@ -629,7 +770,9 @@ class Accumulation:
             acc.accumulate(grads, weight, loss_scale_optimizer=optimizer)
         else:
             acc.accumulate(grads, weight)
-        self._close_if_due(acc, optimizer)
+        if not self.options.split:
+            # In split mode the batch's step applies once its micro-batches are in.
+            self._close_if_due(acc, optimizer)
         return optimizer.iterations
 
     def _own_accumulator(self, optimizer, variables, occurrence=0):

@@ -28,6 +28,63 @@ def check_steps(steps, *, allow_none: bool = False, name: str = "steps"):
     return int(steps)
 
 
+def check_micro_batch_size(micro_batch_size, *, allow_none: bool = True):
+    """Returns `micro_batch_size` as an int or `"auto"`, or raises the fixed-form
+    ValueError."""
+    if micro_batch_size is None and allow_none:
+        return None
+    if isinstance(micro_batch_size, str) and micro_batch_size == "auto":
+        return "auto"
+    if (
+        isinstance(micro_batch_size, bool)
+        or not isinstance(micro_batch_size, (numbers.Integral, np.integer))
+        or int(micro_batch_size) < 1
+    ):
+        raise ValueError(
+            '`micro_batch_size` must be an integer >= 1 or "auto". '
+            f"Received: micro_batch_size={micro_batch_size!r}"
+        )
+    return int(micro_batch_size)
+
+
+def check_window_options(steps, micro_batch_size, max_micro_batch_size, partial):
+    """The window options together: `steps` (micro-batches per update) or
+    `micro_batch_size` (each batch split, one update per batch), never both; a cap
+    only with `"auto"`; no partial window to treat in split mode.
+
+    Returns:
+        (steps, micro_batch_size, max_micro_batch_size), checked.
+    """
+    if steps is not None and micro_batch_size is not None:
+        raise ValueError(
+            "`steps` and `micro_batch_size` cannot be used together: `steps` counts "
+            "the batches of one update, `micro_batch_size` splits each batch into "
+            "micro-batches and updates once per batch. Received: "
+            f"steps={steps!r}, micro_batch_size={micro_batch_size!r}"
+        )
+    if steps is None and micro_batch_size is None:
+        raise ValueError(
+            "`steps` or `micro_batch_size` must be given. "
+            "Received: steps=None, micro_batch_size=None"
+        )
+    micro_batch_size = check_micro_batch_size(micro_batch_size)
+    steps = check_steps(steps, allow_none=True)
+    cap = check_steps(max_micro_batch_size, allow_none=True, name="max_micro_batch_size")
+    if cap is not None and micro_batch_size != "auto":
+        raise ValueError(
+            '`max_micro_batch_size` must be None unless micro_batch_size="auto". '
+            f"Received: max_micro_batch_size={cap!r}, "
+            f"micro_batch_size={micro_batch_size!r}"
+        )
+    if micro_batch_size is not None and partial != "flush":
+        raise ValueError(
+            "`partial` must be 'flush' with `micro_batch_size`: each batch is one "
+            "window, so no window is ever left partial at the end of the data. "
+            f"Received: partial={partial!r}"
+        )
+    return steps, micro_batch_size, cap
+
+
 def check_choice(name: str, value, choices: Sequence[str]) -> str:
     """Returns `value` if it is one of `choices`, else raises ValueError."""
     if not isinstance(value, str) or value not in choices:

@@ -32,6 +32,8 @@ _OVERRIDES = (
     "save_weights",
     "load_weights",
 )
+# Split mode: the micro-batch size in use (the one given, or the one "auto" chose).
+_SIZE = "micro_batch_size"
 SIDECAR = ".gradaccum.npz"
 
 
@@ -42,8 +44,10 @@ def accumulation_of(model) -> Accumulation | None:
 
 def accumulate(
     model,
-    steps: int,
+    steps: int | None = None,
     *,
+    micro_batch_size: int | str | None = None,
+    max_micro_batch_size: int | None = None,
     weighting="exact",
     partial: str = "flush",
     reduction: str = "mean",
@@ -123,7 +127,10 @@ def accumulate(
             f"already. Received: model={model.name!r}, which accumulates already. Call "
             "`gradaccum.disable(model)` first to change its options."
         )
-    options = Options(steps, weighting, partial, reduction, accumulator_dtype, nonfinite)
+    options = Options(
+        steps, weighting, partial, reduction, accumulator_dtype, nonfinite,
+        micro_batch_size=micro_batch_size, max_micro_batch_size=max_micro_batch_size,
+    )
     if model.built:
         distribution_of(model.trainable_variables)
     accumulation = Accumulation(options, layers=model)
@@ -183,7 +190,7 @@ def disable(model):
         else:
             accumulation.end_of_data()
     user_config = accumulation.user_compile_config
-    for name in (*_OVERRIDES, _ATTRIBUTE):
+    for name in (*_OVERRIDES, _ATTRIBUTE, _SIZE):
         model.__dict__.pop(name, None)
     if user_config is not None:
         config = dict(user_config, optimizer=model.optimizer)
@@ -218,8 +225,9 @@ def _install(model, accumulation: Accumulation) -> None:
         return accumulation.train_step(data)
 
     def make_train_function(force=False):
-        accumulation.ensure_state()
-        return cls.make_train_function(model, force=force)
+        return accumulation.make_train_function(
+            lambda force: cls.make_train_function(model, force=force), force
+        )
 
     def save_weights(filepath, *args, **kwargs):
         result = cls.save_weights(model, filepath, *args, **kwargs)
@@ -248,6 +256,8 @@ def _install(model, accumulation: Accumulation) -> None:
         (_ATTRIBUTE, accumulation),
     ):
         model.__dict__[name] = method
+    if accumulation.options.split:
+        model.__dict__[_SIZE] = accumulation.micro_batch_size
 
 
 def _sidecar(filepath) -> str:
@@ -268,7 +278,9 @@ def _recompile(model, accumulation, *, user_config, steps_per_execution_given):
         config["loss"] = record_normalizers(config["loss"], accumulation.normalizers)
     if not steps_per_execution_given:
         replicas = model.distribute_strategy.num_replicas_in_sync
-        config["steps_per_execution"] = accumulation.options.steps if replicas == 1 else 1
+        steps = accumulation.options.steps
+        # Split mode: one batch, one update, one call.
+        config["steps_per_execution"] = steps if replicas == 1 and steps else 1
     keras.Model.compile(model, **config)
     kc.set_compile_config(model, user_config)
     if kc.is_loss_scale_optimizer(model.optimizer):

@@ -51,7 +51,9 @@ class AccumulatingModel(keras.Model):
         self,
         model,
         *,
-        steps: int,
+        steps: int | None = None,
+        micro_batch_size: int | str | None = None,
+        max_micro_batch_size: int | None = None,
         weighting="exact",
         partial: str = "flush",
         reduction: str = "mean",
@@ -80,12 +82,16 @@ class AccumulatingModel(keras.Model):
             model = convert_batch_normalization(model)
         if model.built:
             distribution_of(model.trainable_variables)
-        options = Options(steps, weighting, partial, reduction, accumulator_dtype, nonfinite)
+        options = Options(
+            steps, weighting, partial, reduction, accumulator_dtype, nonfinite,
+            micro_batch_size=micro_batch_size, max_micro_batch_size=max_micro_batch_size,
+        )
         _warn_if_own_training(model)
         kwargs.setdefault("name", f"gradaccum_{model.name}")
         super().__init__(**kwargs)
         self.model = model
         self.steps = options.steps
+        self.max_micro_batch_size = options.max_micro_batch_size
         self.weighting = options.weighting
         self.partial = options.partial
         self.reduction = options.reduction
@@ -93,6 +99,8 @@ class AccumulatingModel(keras.Model):
         self.nonfinite = options.nonfinite
         self._accumulation = Accumulation(options, layers=model)
         self._accumulation.attach(self)
+        # The micro-batch size in use (split mode), outside Keras's tracking.
+        self.__dict__["micro_batch_size"] = self._accumulation.micro_batch_size
         if model.built:
             self.built = True
 
@@ -119,7 +127,7 @@ class AccumulatingModel(keras.Model):
         """
         if steps_per_execution == "window":
             replicas = self.distribute_strategy.num_replicas_in_sync
-            steps_per_execution = self.steps if replicas == 1 else 1
+            steps_per_execution = self.steps if replicas == 1 and self.steps else 1
         optimizer = keras.optimizers.get(optimizer)
         check_optimizer(optimizer)
         if self.weighting == "exact":
@@ -141,6 +149,8 @@ class AccumulatingModel(keras.Model):
         return {
             "model": keras.saving.serialize_keras_object(self.model),
             "steps": self.steps,
+            "micro_batch_size": self._accumulation.options.micro_batch_size,
+            "max_micro_batch_size": self.max_micro_batch_size,
             "weighting": _serialized(self.weighting),
             "partial": self.partial,
             "reduction": self.reduction,
@@ -165,8 +175,10 @@ class AccumulatingModel(keras.Model):
         return cls(model, **config)
 
     def make_train_function(self, force=False):
-        self._accumulation.ensure_state()
-        return super().make_train_function(force=force)
+        return self._accumulation.make_train_function(
+            lambda force: super(AccumulatingModel, self).make_train_function(force=force),
+            force,
+        )
 
     def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
             callbacks=None, **kwargs):
@@ -219,8 +231,10 @@ def _serialized(option):
 
 def wrap(
     model,
-    steps: int,
+    steps: int | None = None,
     *,
+    micro_batch_size: int | str | None = None,
+    max_micro_batch_size: int | None = None,
     weighting="exact",
     partial: str = "flush",
     reduction: str = "mean",
@@ -292,6 +306,8 @@ def wrap(
     return AccumulatingModel(
         model,
         steps=steps,
+        micro_batch_size=micro_batch_size,
+        max_micro_batch_size=max_micro_batch_size,
         weighting=weighting,
         partial=partial,
         reduction=reduction,

@@ -1,0 +1,138 @@
+"""`micro_batch_size="auto"`: a batch whose step runs out of memory runs again with
+smaller micro-batches, and the failed attempt leaves no trace.
+
+The train function `fit` calls is wrapped: it takes the batch from the iterator
+itself, so that the same batch can be given to the step again. Before each batch it
+keeps the values of what a step changes before its update: the metrics, the model's
+small non-trainable variables (batch normalization statistics, random seeds) and
+gradaccum's counters; the window is empty when a batch starts (split mode applies
+at the end of every batch). A step that fails for memory before it reached its
+update is rolled back to those values and run again with the next size of the
+search (`_split.AutoSize`); one that failed while applying its update cannot be
+retried (the optimizer may have changed) and raises.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from gradaccum import _split
+
+# Non-trainable variables larger than this are taken as frozen weights (a LoRA
+# base model's kernels): a training step reads them and never changes them, so
+# they are not copied before every batch.
+LARGEST_KEPT = 1 << 16
+
+
+class Snapshot:
+    """The values of `variables` (each replica's copy) at one moment, to put back."""
+
+    def __init__(self, variables, strategy):
+        parts = []
+        seen = set()
+        for variable in variables:
+            for part in strategy.experimental_local_results(variable):
+                if id(part) not in seen:
+                    seen.add(id(part))
+                    parts.append(part)
+        self._parts = parts
+        self._values = None
+
+    def take(self) -> None:
+        self._values = [tf.identity(part) for part in self._parts]
+
+    def restore(self) -> None:
+        for part, value in zip(self._parts, self._values):
+            part.assign(value)
+
+
+def _changing_variables(accumulation) -> list:
+    """What a split step changes before its update, other than the window."""
+    host = accumulation.host
+    state = accumulation.state
+    variables = list(host.metrics_variables)
+    variables += [
+        v for v in host.non_trainable_variables if v.shape.num_elements() <= LARGEST_KEPT
+    ]
+    variables += [state.epoch_step, state.term_ratios, state.inexact]
+    for acc in state.accumulators():
+        variables += [acc.state.skipped, acc.state.micro_batches]
+    return variables
+
+
+def retrying(accumulation, function):
+    """The train function `fit` calls, running each batch through `function`
+    (Keras's, given one batch at a time) with the micro-batch size of the search,
+    smaller after an out-of-memory error."""
+    host = accumulation.host
+    search = accumulation.auto_size
+    strategy = host.distribute_strategy
+    cache = {}
+
+    def snapshot():
+        count = len(accumulation.state.own)
+        if cache.get("own") != count or cache.get("state") is not accumulation.state:
+            cache.update(
+                own=count,
+                state=accumulation.state,
+                snapshot=Snapshot(_changing_variables(accumulation), strategy),
+            )
+        return cache["snapshot"]
+
+    def run_batch(data):
+        state = accumulation.state
+        batch = _split.eager_batch_size(
+            data, strategy if strategy.num_replicas_in_sync > 1 else None
+        )
+        kept = snapshot()
+        kept.take()
+        while True:
+            size = min(search.size_for(batch), max(batch, 1))
+            state.micro_batch_size.assign(size)
+            try:
+                logs = function(iter([data]))
+            except tf.errors.ResourceExhaustedError as error:
+                if bool(state.applying.numpy()):
+                    error.add_note(
+                        "gradaccum: micro_batch_size='auto' cannot retry this batch: "
+                        "memory ran out while the optimizer applied the update, "
+                        "which a smaller micro-batch does not change."
+                    )
+                    raise
+                for acc in state.accumulators():
+                    acc.reset()
+                kept.restore()
+                # The failed step may have created accumulators (a model's own
+                # step): they are in the snapshot from now on.
+                fresh = snapshot()
+                if fresh is not kept:
+                    fresh.take()
+                    kept = fresh
+                if size <= 1:
+                    error.add_note(
+                        "gradaccum: micro_batch_size='auto' ran out of memory with "
+                        "micro-batches of 1 sample."
+                    )
+                    raise
+                search.failed(size)
+                continue
+            search.ran(size)
+            accumulation.size_chosen()
+            if isinstance(logs, dict):
+                logs = dict(logs, micro_batch_size=float(search.chosen))
+            return logs
+
+    def train_function(iterator):
+        logs = None
+        for _ in range(max(1, int(host.steps_per_execution))):
+            try:
+                data = next(iterator)
+            except (StopIteration, tf.errors.OutOfRangeError):
+                if logs is None:
+                    raise
+                break
+            logs = run_batch(data)
+        return logs
+
+    train_function.gradaccum_retrying = True
+    return train_function

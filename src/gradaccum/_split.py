@@ -1,0 +1,224 @@
+"""Split mode: each batch is cut into micro-batches inside the training step.
+
+With `micro_batch_size=b` the batch a training step receives is cut into consecutive
+micro-batches of at most `b` samples (the last may be smaller). Every tensor of the
+batch is cut alike (nested inputs, targets, sample weights: anything whose first
+dimension is the batch), and the micro-batches run one at a time in a `tf.while_loop`
+with `parallel_iterations=1`, so that memory holds one micro-batch's activations plus
+the input batch itself. Because the combined gradient is exact for micro-batches of
+any size, the split does not change the update.
+
+`AutoSize` is the search behind `micro_batch_size="auto"`: which size to try next,
+given the sizes that ran and the sizes that ran out of memory.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+
+def _first_dimension(tensor):
+    """(static or None, dynamic) size of `tensor`'s first dimension."""
+    if isinstance(tensor, tf.SparseTensor):
+        static = tensor.shape[0] if tensor.shape.rank else None
+        return static, tf.cast(tensor.dense_shape[0], tf.int32)
+    if isinstance(tensor, tf.RaggedTensor):
+        return tensor.shape[0], tf.cast(tensor.nrows(), tf.int32)
+    return tensor.shape[0], tf.shape(tensor, out_type=tf.int32)[0]
+
+
+def _leaves(data) -> list:
+    leaves = [t for t in tf.nest.flatten(data) if t is not None]
+    for t in leaves:
+        rank = t.shape.rank
+        if rank == 0:
+            raise ValueError(
+                "Every tensor of a batch must have a first (batch) dimension to be "
+                "split into micro-batches. Received: a scalar tensor "
+                f"{getattr(t, 'name', t)!r} in the batch."
+            )
+    return leaves
+
+
+def batch_size(data):
+    """The number of samples in `data` (an int32 scalar tensor).
+
+    Raises:
+        ValueError: if the tensors of the batch have static first dimensions that
+            differ (checked at run time, as an `InvalidArgumentError`, where the
+            shapes are not known when the step is traced).
+    """
+    leaves = _leaves(data)
+    if not leaves:
+        raise ValueError(
+            "A batch to split into micro-batches must hold at least one tensor. "
+            f"Received: {data!r}"
+        )
+    sizes = [_first_dimension(t) for t in leaves]
+    static = [s for s, _ in sizes]
+    known = sorted({s for s in static if s is not None})
+    if len(known) > 1:
+        shapes = ", ".join(str(tuple(t.shape)) for t in leaves)
+        raise ValueError(
+            "The tensors of a batch must agree on their first (batch) dimension to "
+            f"be split into micro-batches. Received: first dimensions {known} "
+            f"(shapes {shapes})"
+        )
+    first = sizes[0][1]
+    checks = [
+        tf.debugging.assert_equal(
+            dynamic,
+            first,
+            message=(
+                "The tensors of a batch must agree on their first (batch) "
+                "dimension to be split into micro-batches. Received: a batch whose "
+                "tensors' first dimensions differ"
+            ),
+        )
+        for (known_size, dynamic) in sizes[1:]
+        if known_size is None or static[0] is None
+    ]
+    with tf.control_dependencies(checks):
+        return tf.identity(first)
+
+
+def take(data, start, size):
+    """The micro-batch `data[start:start + size]`, cut alike in every tensor."""
+
+    def cut(tensor):
+        if tensor is None:
+            return None
+        if isinstance(tensor, tf.SparseTensor):
+            rank = tensor.shape.rank
+            begin = tf.concat([[tf.cast(start, tf.int64)], tf.zeros([rank - 1], tf.int64)], 0)
+            extent = tf.concat([[tf.cast(size, tf.int64)], tensor.dense_shape[1:]], 0)
+            return tf.sparse.slice(tensor, begin, extent)
+        return tensor[start:start + size]
+
+    return tf.nest.map_structure(cut, data)
+
+
+def micro_batch_count(batch, size):
+    """ceil(batch / size) for int32 tensors."""
+    return (batch + size - 1) // size
+
+
+def for_each(data, size, body):
+    """Runs `body(micro_batch)` on each micro-batch of `data`, in order, one at a
+    time (the next starts when the previous one's updates are done). Returns the
+    number of micro-batches, a tensor available once all of them ran."""
+    size = tf.cast(size, tf.int32)
+    batch = batch_size(data)
+
+    def step(i):
+        start = i * size
+        body(take(data, start, tf.minimum(size, batch - start)))
+        return (i + 1,)
+
+    (count,) = tf.while_loop(
+        lambda i: i < micro_batch_count(batch, size),
+        step,
+        (tf.constant(0),),
+        parallel_iterations=1,
+    )
+    return count
+
+
+def fold(data, size, body):
+    """As `for_each`, where `body` returns a structure of tensors (a step's logs):
+    returns what the last micro-batch's `body` returned. The first micro-batch runs
+    before the loop, which learns the structure from it."""
+    size = tf.cast(size, tf.int32)
+    batch = batch_size(data)
+    first = tf.nest.map_structure(
+        tf.convert_to_tensor, body(take(data, 0, tf.minimum(size, batch)))
+    )
+
+    def step(i, _):
+        start = i * size
+        out = body(take(data, start, tf.minimum(size, batch - start)))
+        return i + 1, tf.nest.map_structure(tf.convert_to_tensor, out)
+
+    _, last = tf.while_loop(
+        lambda i, _: i < micro_batch_count(batch, size),
+        step,
+        (tf.constant(1), first),
+        parallel_iterations=1,
+    )
+    return last
+
+
+def eager_batch_size(data, strategy=None) -> int:
+    """The largest number of samples a replica holds in `data` (concrete values:
+    a batch as the iterator gave it, before the step)."""
+    leaves = [t for t in tf.nest.flatten(data, expand_composites=False) if t is not None]
+    if not leaves:
+        return 0
+    first = leaves[0]
+    parts = strategy.experimental_local_results(first) if strategy is not None else (first,)
+    sizes = []
+    for part in parts:
+        if isinstance(part, tf.SparseTensor):
+            sizes.append(int(part.dense_shape[0]))
+        elif isinstance(part, tf.RaggedTensor):
+            sizes.append(int(part.nrows()))
+        else:
+            sizes.append(int(part.shape[0]))
+    return max(sizes)
+
+
+class AutoSize:
+    """Which micro-batch size `micro_batch_size="auto"` tries next.
+
+    It starts from the whole batch (or `cap`). A size that runs out of memory is
+    halved until one runs; later batches probe between the largest size that ran
+    and the smallest that did not (one probe per batch, each batch still trained
+    once), so the search settles on the largest size that runs.
+
+    Args:
+        cap: the largest micro-batch to try, or None for the whole batch.
+    """
+
+    def __init__(self, cap: int | None = None):
+        self.cap = cap
+        self.fits: int | None = None
+        self.fails: int | None = None
+        self.failures: list[int] = []
+
+    def size_for(self, batch: int) -> int:
+        """The micro-batch size to try on a batch of `batch` samples."""
+        top = batch if self.cap is None else min(self.cap, batch)
+        top = max(1, top)
+        if self.fails is None:
+            return top
+        if self.fits is None:
+            return max(1, min(top, (self.fails + 1) // 2))
+        if self.fails - self.fits > 1:
+            return max(1, min(top, (self.fits + self.fails) // 2))
+        return max(1, min(top, self.fits))
+
+    def failed(self, size: int) -> None:
+        """`size` ran out of memory."""
+        self.failures.append(size)
+        self.fails = size if self.fails is None else min(self.fails, size)
+        if self.fits is not None and self.fits >= self.fails:
+            # A size that ran before does not any more (memory is taken elsewhere):
+            # search down again.
+            self.fits = None
+
+    def ran(self, size: int) -> None:
+        """`size` (the largest micro-batch of a batch) ran."""
+        if self.fails is not None and size >= self.fails:
+            self.fails = None
+        self.fits = size if self.fits is None else max(self.fits, size)
+
+    @property
+    def settled(self) -> bool:
+        """Whether the search is over: no size failed, or the largest size that ran
+        is one below the smallest that failed."""
+        return self.fits is not None and (self.fails is None or self.fails - self.fits <= 1)
+
+    @property
+    def chosen(self) -> int | None:
+        """The size in use: the largest that ran (None before a batch ran)."""
+        return self.fits
