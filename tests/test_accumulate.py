@@ -224,7 +224,11 @@ def test_accumulate_refuses_a_wrap_trainer():
     [
         (dict(steps=0), "`steps` must be an integer >= 1. Received: steps=0"),
         (dict(steps=2.5), "`steps` must be an integer >= 1. Received: steps=2.5"),
-        (dict(steps=None), "`steps` must be an integer >= 1. Received: steps=None"),
+        (
+            dict(steps=None),
+            "`steps` or `micro_batch_size` must be given. "
+            "Received: steps=None, micro_batch_size=None",
+        ),
         (dict(steps=2, partial="x"),
          "`partial` must be one of 'flush', 'carry', 'drop'. Received: partial='x'"),
         (dict(steps=2, reduction="max"),

@@ -589,7 +589,8 @@ class Accumulation:
             or kc.is_loss_scale_optimizer(host.optimizer)
             or acc.batch_normalization_layers
         )
-        y_pred = self._exact_micro_batch(x, y, sample_weight, single=single)
+        y_pred, loss, weight = self._exact_micro_batch(x, y, sample_weight, single=single)
+        kc.loss_tracker(host).update_state(loss, sample_weight=weight)
         self.state.epoch_step.assign_add(1)
         if not single:
             self._close_if_due(acc, host.optimizer)
@@ -597,7 +598,8 @@ class Accumulation:
 
     def _exact_micro_batch(self, x, y, sample_weight, single=False):
         """Forward, the host's loss and backward of one micro-batch, accumulated
-        (applied at once when `single`). Returns the predictions."""
+        (applied at once when `single`). Returns the predictions, the loss (as the
+        loss tracker takes it) and the micro-batch's weight."""
         host = self.host
         acc = self.state.accumulator
         variables = list(acc.target_variables)
@@ -626,9 +628,6 @@ class Accumulation:
             # static `loss_scale_factor`), as Keras's own train step does.
             objective = host.optimizer.scale_loss(objective)
         gradients = tape.gradient(objective, variables)
-        kc.loss_tracker(host).update_state(
-            kc.unscale_loss_for_distribution(loss), sample_weight=weight
-        )
         if single:
             acc._apply_single(host.optimizer, gradients)
         elif loss_scaled:
@@ -636,7 +635,7 @@ class Accumulation:
             acc.accumulate(gradients, weight, loss_scale_optimizer=host.optimizer)
         else:
             acc.accumulate_weighted(gradients, weight)
-        return y_pred
+        return y_pred, kc.unscale_loss_for_distribution(loss), weight
 
     # Split mode ------------------------------------------------------------------
 
@@ -656,7 +655,14 @@ class Accumulation:
                 # XLA compiles each micro-batch; the loop around it stays outside,
                 # so a smaller last micro-batch is one more compiled shape.
                 micro_batch = tf.function(micro_batch, jit_compile=True, autograph=False)
-            done = _split.for_each(data, size, micro_batch)
+            zero = tf.constant(0.0)
+            done = _split.for_each(data, size, micro_batch, (zero, zero))
+            # The batch's loss, logged as Keras logs a batch's: weighted by its size.
+            weighted, weights = done
+            kc.loss_tracker(host).update_state(
+                tf.math.divide_no_nan(weighted, weights),
+                sample_weight=_split.batch_size(data),
+            )
             logs = host.get_metrics_result()
             pairs = [(state.accumulator, host.optimizer)]
         else:
@@ -674,11 +680,14 @@ class Accumulation:
             acc.apply(optimizer)
         return logs
 
-    def _exact_split_micro_batch(self, micro):
+    def _exact_split_micro_batch(self, micro, weighted, weights):
+        """One micro-batch of a split batch; adds its weighted loss and weight to
+        the batch's."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(micro)
-        y_pred = self._exact_micro_batch(x, y, sample_weight)
+        y_pred, loss, weight = self._exact_micro_batch(x, y, sample_weight)
         self.host.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        return tf.constant(True)
+        weight = tf.cast(weight, tf.float32)
+        return weighted + tf.cast(loss, tf.float32) * weight, weights + weight
 
     def _micro_batch_size_in_step(self):
         if self.options.auto:

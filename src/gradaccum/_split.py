@@ -103,25 +103,26 @@ def micro_batch_count(batch, size):
     return (batch + size - 1) // size
 
 
-def for_each(data, size, body):
-    """Runs `body(micro_batch)` on each micro-batch of `data`, in order, one at a
-    time (the next starts when the previous one's updates are done). Returns the
-    number of micro-batches, a tensor available once all of them ran."""
+def for_each(data, size, body, initial):
+    """Runs `carry = body(micro_batch, carry)` on each micro-batch of `data`, in
+    order, one at a time (the next starts when the previous one's updates are
+    done), from `initial` (a tuple of tensors). Returns the last carry, available
+    once every micro-batch ran."""
     size = tf.cast(size, tf.int32)
     batch = batch_size(data)
 
-    def step(i):
+    def step(i, *carry):
         start = i * size
-        body(take(data, start, tf.minimum(size, batch - start)))
-        return (i + 1,)
+        carry = body(take(data, start, tf.minimum(size, batch - start)), *carry)
+        return (i + 1, *carry)
 
-    (count,) = tf.while_loop(
-        lambda i: i < micro_batch_count(batch, size),
+    _, *carry = tf.while_loop(
+        lambda i, *_: i < micro_batch_count(batch, size),
         step,
-        (tf.constant(0),),
+        (tf.constant(0), *initial),
         parallel_iterations=1,
     )
-    return count
+    return tuple(carry)
 
 
 def fold(data, size, body):
