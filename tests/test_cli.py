@@ -492,3 +492,72 @@ def test_source_1x100_on_the_full_set_passes_90_percent_in_200_updates(capsys):
     assert "(200 updates of 100 samples)" in lines[1]
     accuracy = float(lines[-1].split()[4])
     assert accuracy > 90.0
+
+
+# The split form (--micro-batch-size, sweep --split) ----------------------------------
+
+
+def test_split_form_gives_the_same_accuracies_run_by_run(capsys, small_npz, tmp_path):
+    """`--batch-size 30 --micro-batch-size 10` (batches of 30 split inside the step)
+    against `--average-gradients 3 --batch-size 10`: same samples, same updates, same
+    accuracy in every run."""
+    common = ["--data", str(small_npz), "--iterations", "90", "--runs", "2", "--seed", "5",
+              "--evaluations", "3"]
+    code, lines, _ = run_cli(capsys, "train", "--batch-size", "30", "--micro-batch-size", "10",
+                             *common, "--json", str(tmp_path / "split.json"))
+    assert code == 0
+    assert "split: batches of 30 in micro-batches of 10" in lines[1]
+    code, _, _ = run_cli(capsys, "train", "--average-gradients", "3", "--batch-size", "10",
+                         *common, "--json", str(tmp_path / "steps.json"))
+    assert code == 0
+    split = json.loads((tmp_path / "split.json").read_text())
+    steps = json.loads((tmp_path / "steps.json").read_text())
+    assert split["updates"] == steps["updates"] == 30
+    for a, b in zip(split["runs"], steps["runs"]):
+        assert a["seed"] == b["seed"]
+        assert a["accuracy"] == pytest.approx(b["accuracy"], abs=1e-9)
+        assert [u for u, _ in a["curve"]] == [u for u, _ in b["curve"]] == [10, 20, 30]
+        np.testing.assert_allclose([acc for _, acc in a["curve"]],
+                                   [acc for _, acc in b["curve"]], atol=1e-9)
+
+
+def test_sweep_runs_the_split_form(capsys, small_npz, tmp_path):
+    out = tmp_path / "sweep"
+    code, lines, _ = run_cli(
+        capsys, "sweep", "--data", str(small_npz), "--configs", "2x10", "--split",
+        "--no-contrast", "--updates", "12", "--runs", "1", "--evaluations", "2",
+        "--out", str(out),
+    )
+    assert code == 0
+    assert "split form" in lines[1]
+    result = json.loads((out / "results.json").read_text())
+    (row,) = result["configs"]
+    assert (row["label"], row["form"], row["updates"], row["micro_batches"]) == (
+        "2x10", "split", 12, 24
+    )
+    assert [u for u, _ in row["runs"][0]["curve"]] == [6, 12]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--average-gradients", "2", "--micro-batch-size", "5"],
+         "gradaccum train: error: --average-gradients and --micro-batch-size cannot be "
+         "used together: give the batch (--batch-size k*b) and its micro-batch "
+         "(--micro-batch-size b)"),
+        (["--batch-size", "25", "--micro-batch-size", "10"],
+         "gradaccum train: error: --batch-size 25 must be a multiple of "
+         "--micro-batch-size 10 (the source's k x b as a batch of k*b)"),
+        (["--batch-size", "30", "--micro-batch-size", "10", "--iterations", "100"],
+         "gradaccum train: error: --iterations 100 (micro-batches) must be a multiple of "
+         "k = 3 in the split form"),
+        (["--micro-batch-size", "0"],
+         "gradaccum train: error: argument --micro-batch-size: must be an integer >= 1, "
+         "got '0'"),
+    ],
+    ids=["with-k", "not-a-multiple", "iterations", "zero"],
+)
+def test_split_form_bad_arguments(capsys, small_npz, argv, message):
+    code, err = exit_of(capsys, "train", "--data", str(small_npz), *argv)
+    assert code == 2
+    assert err.strip().splitlines()[-1] == message

@@ -114,7 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
                        type=_positive_int, default=1,
                        help="micro-batches averaged per update, k (default 1)")
     train.add_argument("--batch-size", type=_positive_int, default=100,
-                       help="micro-batch size, b (default 100)")
+                       help="micro-batch size, b (default 100); with --micro-batch-size, "
+                            "the batch k*b")
+    train.add_argument("--micro-batch-size", type=_positive_int, default=None,
+                       help="split each batch of --batch-size samples into micro-batches "
+                            "of this size inside the training step (k = batch / micro-batch)")
     train.add_argument("--iterations", type=_positive_int, default=1000,
                        help="micro-batches to train on, as in the source (default 1000)")
     train.add_argument("--json", type=pathlib.Path, default=None,
@@ -131,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"comma-separated KxB configurations (default {SOURCE_CONFIGS})")
     sweep.add_argument("--updates", type=_positive_int, default=1000,
                        help="optimizer updates per run (default 1000): iterations = k x updates")
+    sweep.add_argument("--split", action="store_true",
+                       help="run each KxB as batches of K*B split into micro-batches of B "
+                            "inside the step (default: K batches of B per update)")
     sweep.add_argument("--no-contrast", dest="contrast", action="store_false",
                        help="skip plain training at the smallest b without accumulation")
     sweep.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/sweep"),
@@ -192,6 +199,11 @@ def _load(parser, args):
     return data
 
 
+def _batch_of(config) -> int:
+    """The batch fit gets: k*b in the split form, b otherwise."""
+    return config.steps * config.batch_size if config.split else config.batch_size
+
+
 def _check_batch(parser, args, data, batch_size: int) -> None:
     if batch_size > len(data.x_train):
         _fail(parser, args.command,
@@ -215,11 +227,13 @@ def _train(parser, args) -> int:
 
     from gradaccum.experiments.runner import Config, run_config, summarize
 
+    config = _train_config(parser, args)
     data = _load(parser, args)
-    _check_batch(parser, args, data, args.batch_size)
-    config = Config(args.steps, args.batch_size, args.iterations)
+    _check_batch(parser, args, data, _batch_of(config))
+    form = (f", split: batches of {config.steps * config.batch_size} in micro-batches of "
+            f"{config.batch_size}" if config.split else "")
     print(f"config: k={config.steps} b={config.batch_size} iterations={config.iterations} "
-          f"({config.updates} updates of {config.steps * config.batch_size} samples), "
+          f"({config.updates} updates of {config.steps * config.batch_size} samples{form}), "
           f"{args.model}, {args.optimizer} lr={args.lr:g}, {args.runs} runs, seed {args.seed}",
           flush=True)
     with _progress(args.runs) as bar:
@@ -244,19 +258,45 @@ def _train(parser, args) -> int:
     return 0
 
 
+def _train_config(parser, args):
+    """k, b and the form from `train`'s arguments: `--average-gradients k
+    --batch-size b`, or `--batch-size k*b --micro-batch-size b`."""
+    from gradaccum.experiments.runner import Config
+
+    micro = args.micro_batch_size
+    if micro is None:
+        return Config(args.steps, args.batch_size, args.iterations)
+    if args.steps != 1:
+        _fail(parser, args.command,
+              "--average-gradients and --micro-batch-size cannot be used together: give "
+              "the batch (--batch-size k*b) and its micro-batch (--micro-batch-size b)")
+    if args.batch_size % micro:
+        _fail(parser, args.command,
+              f"--batch-size {args.batch_size} must be a multiple of --micro-batch-size "
+              f"{micro} (the source's k x b as a batch of k*b)")
+    steps = args.batch_size // micro
+    if args.iterations % steps:
+        _fail(parser, args.command,
+              f"--iterations {args.iterations} (micro-batches) must be a multiple of "
+              f"k = {steps} in the split form")
+    return Config(steps, micro, args.iterations, split=True)
+
+
 def _sweep(parser, args) -> int:
     from gradaccum.experiments import report
     from gradaccum.experiments.runner import Config, run_config
 
     data = _load(parser, args)
-    configs = [(Config(k, b, k * args.updates), False) for k, b in args.configs]
+    configs = [(Config(k, b, k * args.updates, split=args.split), False)
+               for k, b in args.configs]
     if args.contrast:
         smallest = min(configs, key=lambda c: c[0].batch_size)[0]
         configs.append((Config(1, smallest.batch_size, smallest.iterations), True))
     for config, _ in configs:
-        _check_batch(parser, args, data, config.batch_size)
+        _check_batch(parser, args, data, _batch_of(config))
+    form = "split form, " if args.split else ""
     print(f"sweep: {', '.join(c.label + (' (no accumulation)' if x else '') for c, x in configs)}"
-          f"; {args.runs} runs each, {args.model}, {args.optimizer} lr={args.lr:g}, "
+          f"; {form}{args.runs} runs each, {args.model}, {args.optimizer} lr={args.lr:g}, "
           f"seed {args.seed}", flush=True)
     rows = []
     start = time.perf_counter()

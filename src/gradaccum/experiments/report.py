@@ -19,6 +19,7 @@ def config_summary(config: Config, results: list[RunResult], contrast: bool = Fa
         "label": config.label + (" (no accumulation)" if contrast else ""),
         "k": config.steps,
         "b": config.batch_size,
+        "form": config.form,
         "updates": config.updates,
         "micro_batches": config.iterations,
         "mean": mean,
@@ -51,7 +52,7 @@ def write_results(path: pathlib.Path, payload: dict) -> None:
 
 
 def write_csv(path: pathlib.Path, rows: list[dict]) -> None:
-    keys = ["label", "k", "b", "updates", "micro_batches", "mean", "std", "wall_time",
+    keys = ["label", "k", "b", "form", "updates", "micro_batches", "mean", "std", "wall_time",
             "samples_per_second", "contrast"]
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")

@@ -17,11 +17,22 @@ from gradaccum.experiments.models import build_model, build_optimizer
 
 @dataclass(frozen=True)
 class Config:
-    """One way to make updates: k micro-batches of b samples, `iterations` micro-batches."""
+    """One way to make updates: k micro-batches of b samples, `iterations` micro-batches.
+
+    `split=False`: fit gets batches of b and `gradaccum.wrap(steps=k)` applies every
+    k of them. `split=True`: fit gets batches of k*b and
+    `gradaccum.wrap(micro_batch_size=b)` splits each inside the step. With the same
+    seed both see the same samples in the same order and make the same updates.
+    """
 
     steps: int
     batch_size: int
     iterations: int
+    split: bool = False
+
+    @property
+    def form(self) -> str:
+        return "split" if self.split else "steps"
 
     @property
     def updates(self) -> int:
@@ -71,14 +82,21 @@ def run_once(
     jit_compile="auto",
     steps_per_execution: int = 100,
 ) -> RunResult:
-    """Trains a fresh network with `gradaccum.wrap` and returns its test accuracy."""
+    """Trains a fresh network with `gradaccum.wrap` (in the form `config` says) and
+    returns its test accuracy."""
     keras.utils.clear_session()
     keras.utils.set_random_seed(seed)
     net = build_model(model)
-    # "carry": windows run on across the evaluation points, never cut by them.
-    trainer = gradaccum.wrap(net, steps=config.steps, partial="carry")
-    chunks = _evaluation_chunks(config.iterations, evaluations)
-    per_chunk = config.iterations // chunks
+    if config.split:
+        # One batch of k*b per update, split inside the step.
+        trainer = gradaccum.wrap(net, micro_batch_size=config.batch_size)
+        batches, batch_size = config.updates, config.steps * config.batch_size
+    else:
+        # "carry": windows run on across the evaluation points, never cut by them.
+        trainer = gradaccum.wrap(net, steps=config.steps, partial="carry")
+        batches, batch_size = config.iterations, config.batch_size
+    chunks = _evaluation_chunks(batches, evaluations)
+    per_chunk = batches // chunks
     trainer.compile(
         optimizer=build_optimizer(optimizer, learning_rate),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -90,7 +108,7 @@ def run_once(
         tf.data.Dataset.from_tensor_slices((data.x_train, data.y_train))
         .shuffle(len(data.x_train), seed=seed, reshuffle_each_iteration=True)
         .repeat()
-        .batch(config.batch_size, drop_remainder=True)
+        .batch(batch_size, drop_remainder=True)
         .prefetch(tf.data.AUTOTUNE)
     )
     start = time.perf_counter()
