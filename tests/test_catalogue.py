@@ -207,6 +207,21 @@ CASES = {
     ),
     "accumulate-steps": lambda: gradaccum.accumulate(make_mlp(), steps=0),
     "accumulate-partial": lambda: gradaccum.accumulate(make_mlp(), steps=2, partial="keep"),
+    "accumulate-micro-batch-size": lambda: gradaccum.accumulate(make_mlp(), micro_batch_size=0),
+    "accumulate-steps-and-micro-batch-size": lambda: gradaccum.accumulate(
+        make_mlp(), steps=4, micro_batch_size=16
+    ),
+    "accumulate-no-window": lambda: gradaccum.accumulate(make_mlp()),
+    "accumulate-max-micro-batch-size": lambda: gradaccum.accumulate(
+        make_mlp(), micro_batch_size=16, max_micro_batch_size=64
+    ),
+    "accumulate-split-partial": lambda: gradaccum.accumulate(
+        make_mlp(), micro_batch_size=16, partial="drop"
+    ),
+    "fit-split-batch-dimensions": lambda: fit(
+        gradaccum.accumulate(make_mlp(), micro_batch_size=4),
+        data=tf.data.Dataset.from_tensors((make_data(8)[0], make_data(8)[1][:7])),
+    ),
     "accumulate-step-without-optimizer": lambda: fit(gradaccum.accumulate(Idle(), steps=2)),
     "wrap-model": lambda: gradaccum.wrap("model", steps=2),
     "wrap-wrapped": lambda: gradaccum.wrap(trainer(), steps=2),
