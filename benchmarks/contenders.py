@@ -17,6 +17,7 @@ import gradaccum
 CONTENDERS = (
     "plain_b", "plain_B", "keras_builtin", "keras_builtin_window", "gradient_accumulator",
     "eager_list", "numpy_average", "gradaccum_fit", "gradaccum_accumulate", "gradaccum_loop",
+    "gradaccum_split",
 )
 
 
@@ -57,6 +58,9 @@ def make(name: str, workload: str, b: int, k: int):
     if name == "gradaccum_accumulate":
         # The model's own fit, made to accumulate in place (same compile as the wrap).
         return _fit(gradaccum.accumulate(model, steps=k), b)
+    if name == "gradaccum_split":
+        # Split mode: fit gets batches of k*b, each split into k micro-batches of b.
+        return _fit(gradaccum.accumulate(model, micro_batch_size=b), b * k)
     if name == "gradaccum_loop":
         return _custom_loop(model, b, k)
     if name == "eager_list":

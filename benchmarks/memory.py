@@ -2,6 +2,7 @@
 
     python benchmarks/memory.py --workload transformer --mode plain --batch 2048
     python benchmarks/memory.py --workload transformer --mode gradaccum --batch 32 --steps 64
+    python benchmarks/memory.py --mode split --batch 2048 --micro-batch-size 32
 
 Prints one JSON line: the resident set before the measured fit (model built, compiled
 and traced) and its peak during the fit (sampled every 2 ms), in MiB, and on a GPU
@@ -49,10 +50,12 @@ class PeakSampler(threading.Thread):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--workload", default="transformer")
-    parser.add_argument("--mode", choices=("plain", "gradaccum"), required=True)
+    parser.add_argument("--mode", choices=("plain", "gradaccum", "split"), required=True)
     parser.add_argument("--batch", type=int, required=True)
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--updates", type=int, default=2)
+    parser.add_argument("--micro-batch-size", type=int, default=None,
+                        help="split mode: gradaccum.accumulate(micro_batch_size=...)")
     args = parser.parse_args()
 
     import keras
@@ -62,7 +65,12 @@ def main():
     import gradaccum
 
     model = build(args.workload)
-    trainer = gradaccum.wrap(model, steps=args.steps) if args.mode == "gradaccum" else model
+    if args.mode == "gradaccum":
+        trainer = gradaccum.wrap(model, steps=args.steps)
+    elif args.mode == "split":
+        trainer = gradaccum.accumulate(model, micro_batch_size=args.micro_batch_size)
+    else:
+        trainer = model
     trainer.compile(keras.optimizers.Adam(1e-3), loss())
     n = args.batch * args.steps * args.updates
     x, y = data(args.workload, n)
@@ -77,6 +85,7 @@ def main():
     peak = sampler.stop()
     result = {
         "mode": args.mode, "batch": args.batch, "steps": args.steps,
+        "micro_batch_size": args.micro_batch_size,
         "effective_batch": args.batch * args.steps,
         "rss_before_mib": round(before, 1), "peak_rss_mib": round(peak, 1),
     }

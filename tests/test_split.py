@@ -150,7 +150,9 @@ def test_two_optimizers_of_an_own_step_each_update_once_per_batch():
         model = TwoOptimizers()
         model(np.zeros((1, 6), "float32"))
         rng = np.random.default_rng(0)
-        model.set_weights([rng.normal(0, 0.5, w.shape).astype(w.dtype) for w in model.get_weights()])
+        model.set_weights(
+            [rng.normal(0, 0.5, w.shape).astype(w.dtype) for w in model.get_weights()]
+        )
         model.compile(keras.optimizers.Adam(0.02), keras.optimizers.SGD(0.1))
         return model
 

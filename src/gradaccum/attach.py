@@ -83,9 +83,20 @@ def accumulate(
     the weights file (`<file>.gradaccum.npz`), so a run resumed in the middle of a
     window goes on exactly.
 
+    Split mode (`micro_batch_size` instead of `steps`): every batch the training
+    step receives is cut into micro-batches of at most that many samples, which run
+    one at a time; their gradients are combined exactly and the optimizer makes one
+    update per batch, equal to plain `fit` at that batch. Epochs, callbacks and
+    schedules then count updates. `"auto"` starts from the whole batch and, when a
+    step runs out of memory, rolls it back and runs the batch again with smaller
+    micro-batches (the size in use: `model.micro_batch_size` and the logs).
+
     Args:
         model: a `keras.Model`, compiled or not; it is returned.
         steps: micro-batches per update (k), an integer >= 1.
+        micro_batch_size: split mode: an integer >= 1, or `"auto"`. Not together
+            with `steps`.
+        max_micro_batch_size: with `"auto"`, the largest micro-batch to try.
         weighting: `"exact"` (default), `"uniform"` or a callable
             `(x, y, sample_weight) -> weight`, as in `gradaccum.wrap`.
         partial: `"flush"` (default), `"carry"` or `"drop"`: what happens to a window
@@ -113,6 +124,10 @@ def accumulate(
     >>> history.history["updates"]  # 13 micro-batches per epoch: 3 windows + 1 partial
     [4.0, 8.0]
     >>> model = gradaccum.disable(model)  # plain Keras training again
+    >>> model = gradaccum.accumulate(model, micro_batch_size=3)  # split mode
+    >>> history = model.fit(x, y, batch_size=10, epochs=1, verbose=0)
+    >>> history.history["updates"]  # 10 batches of 10, each as 3 + 3 + 3 + 1
+    [18.0]
     """
     from gradaccum.keras_model import AccumulatingModel
 

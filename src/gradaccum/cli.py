@@ -225,7 +225,7 @@ def _options(args) -> dict:
 def _train(parser, args) -> int:
     import json
 
-    from gradaccum.experiments.runner import Config, run_config, summarize
+    from gradaccum.experiments.runner import run_config, summarize
 
     config = _train_config(parser, args)
     data = _load(parser, args)

@@ -253,6 +253,11 @@ def wrap(
         model: the `keras.Model` to train. The returned model shares its variables:
             after `fit`, `model` holds the trained weights.
         steps: micro-batches per update (k).
+        micro_batch_size: instead of `steps`, split mode: each batch of `fit` is cut
+            into micro-batches of at most this many samples inside the step, and
+            makes one update; or `"auto"`, the largest size that runs without an
+            out-of-memory error (see `gradaccum.accumulate`).
+        max_micro_batch_size: with `"auto"`, the largest micro-batch to try.
         weighting: `"exact"` (default): each micro-batch weighs its loss normalizer
             (its number of loss elements, unmasked elements, or sample-weight sum),
             so unequal micro-batches, sample and class weights, masks and unequal
