@@ -53,6 +53,30 @@ class OutOfMemoryAbove(keras.layers.Layer):
         return x + zero
 
 
+class OutOfMemoryOnce(keras.layers.Layer):
+    """Identity, but its `nth` call (counted from 1, over the whole run) runs out of
+    memory: a transient failure, in the middle of a batch's micro-batches."""
+
+    def __init__(self, nth, **kwargs):
+        super().__init__(**kwargs)
+        self.nth = nth
+        self.calls = 0
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def call(self, x):
+        def check(n):
+            self.calls += 1
+            if self.calls == self.nth:
+                raise MemoryError(f"injected out-of-memory on call {self.calls}")
+            return np.float32(0.0)
+
+        zero = tf.py_function(check, [tf.shape(x)[0]], tf.float32)
+        zero.set_shape([])
+        return x + zero
+
+
 def make_model(limit=None):
     keras.utils.set_random_seed(0)
     layers = [keras.Input((6,))]

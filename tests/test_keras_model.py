@@ -600,12 +600,21 @@ def test_wrap_refuses_a_wrapped_model():
 
 @pytest.mark.parametrize(
     "steps, shown",
-    [(0, "0"), (-3, "-3"), (2.5, "2.5"), ("4", "'4'"), (True, "True"), (None, "None")],
+    [(0, "0"), (-3, "-3"), (2.5, "2.5"), ("4", "'4'"), (True, "True")],
 )
 def test_wrap_invalid_steps(door, steps, shown):
     with pytest.raises(ValueError) as info:
         make_trainer(door, mlp(), steps=steps)
     assert str(info.value) == f"`steps` must be an integer >= 1. Received: steps={shown}"
+
+
+def test_wrap_needs_steps_or_micro_batch_size(door):
+    with pytest.raises(ValueError) as info:
+        make_trainer(door, mlp(), steps=None)
+    assert str(info.value) == (
+        "`steps` or `micro_batch_size` must be given. "
+        "Received: steps=None, micro_batch_size=None"
+    )
 
 
 def test_wrap_unknown_partial(door):

@@ -518,3 +518,83 @@ def test_auto_does_not_retry_a_failure_in_the_update():
         model.fit(x, y, batch_size=40, epochs=1, shuffle=False, verbose=0)
     assert "cannot retry this batch" in "\n".join(getattr(info.value, "__notes__", []))
     assert accumulation_of(model).auto_size.failures == []
+
+
+def test_auto_on_two_replicas_rolls_back_every_replica():
+    """Each replica's share (20 of 40) runs out of memory above 8: both retry, and
+    training equals plain fit at 40 with one reduction per update."""
+    from oom_job import OutOfMemoryAbove
+    from test_distribute import mirrored
+
+    def made(limit=None):
+        keras.utils.set_random_seed(0)
+        layers = [keras.Input((6,))] + ([OutOfMemoryAbove(limit)] if limit else [])
+        return keras.Sequential(layers + [keras.layers.Dense(8, activation="tanh"),
+                                          keras.layers.Dense(3)])
+
+    x, y = data(100)
+    reference, expected = plain_fit(x, y, 40, 2, model=made())
+    ops = gradaccum.CountingCrossDeviceOps()
+    with mirrored(ops).scope():
+        model = compile_adam(gradaccum.accumulate(made(8), micro_batch_size="auto"))
+    history = model.fit(x, y, batch_size=40, epochs=2, shuffle=False, verbose=0)
+    assert model.micro_batch_size == 8
+    assert_weights_close(model, reference, rtol=1e-5)
+    assert int(model.optimizer.iterations.numpy()) == 6 == int(ops.reductions)
+    np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(history.history["accuracy"], expected.history["accuracy"])
+
+
+def test_auto_failure_in_a_later_micro_batch_counts_no_metric_twice():
+    """The second micro-batch of the first batch (16 + 16 + 8, cap 16) runs out of
+    memory once: the first one's metric updates (made in the step's first trace)
+    are undone with the rest, so the logs equal plain fit's."""
+    from oom_job import OutOfMemoryOnce
+
+    x, y = data(100)
+    reference, expected = plain_fit(x, y, 40, 2)
+    keras.utils.set_random_seed(0)
+    model = mlp()
+    faulty = keras.Sequential([keras.Input((6,)), OutOfMemoryOnce(2), *model.layers])
+    trainer = compile_adam(
+        gradaccum.accumulate(faulty, micro_batch_size="auto", max_micro_batch_size=16)
+    )
+    history = trainer.fit(x, y, batch_size=40, epochs=2, shuffle=False, verbose=0)
+    assert accumulation_of(trainer).auto_size.failures == [16]
+    assert_same_state(model, trainer.optimizer, reference, reference.optimizer)
+    for name in ("loss", "accuracy"):
+        np.testing.assert_allclose(history.history[name], expected.history[name], rtol=1e-5)
+
+
+def test_a_step_that_raises_leaves_no_window_behind(door):
+    """nonfinite="raise" stops fit in the second micro-batch of a batch; what that
+    batch had accumulated is gone, so the next fit starts from an empty window."""
+    x, y = data(40)
+    bad = x.copy()
+    bad[20, 0] = np.nan
+    model = mlp()
+    trainer = compile_adam(make_trainer(door, model, micro_batch_size=16, nonfinite="raise"))
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        trainer.fit(bad, y, batch_size=40, epochs=1, shuffle=False, verbose=0)
+    state = accumulation_of(trainer).state if door == "accumulate" else trainer._fit_state
+    acc = state.accumulator
+    assert int(acc.micro_step.numpy()) == 0 and float(acc.total_weight.numpy()) == 0.0
+    assert all(not np.any(a.numpy()) for a in acc.accumulators)
+    trainer.fit(x, y, batch_size=40, epochs=1, shuffle=False, verbose=0)
+    reference, _ = plain_fit(x, y, 40, 1)
+    assert_same_state(model, trainer.optimizer, reference, reference.optimizer)
+
+
+@pytest.mark.parametrize(
+    "options", [dict(weighting="uniform"), dict(reduction="sum")], ids=["uniform", "sum"]
+)
+def test_auto_refuses_options_whose_update_depends_on_the_split(options):
+    with pytest.raises(ValueError) as info:
+        gradaccum.accumulate(mlp(), micro_batch_size="auto", **options)
+    weighting = options.get("weighting", "exact")
+    reduction = options.get("reduction", "mean")
+    assert str(info.value) == (
+        '`weighting` must be "exact" or a callable, and `reduction` "mean", with '
+        'micro_batch_size="auto": "auto" changes the split, which must not change the '
+        f"update. Received: weighting={weighting!r}, reduction={reduction!r}"
+    )

@@ -62,6 +62,13 @@ class Options:
         self.reduction = check_choice("reduction", reduction, REDUCTIONS)
         self.accumulator_dtype = check_accumulator_dtype(accumulator_dtype).name
         self.nonfinite = check_nonfinite(nonfinite)
+        if self.auto and (self.weighting == "uniform" or self.reduction == "sum"):
+            raise ValueError(
+                '`weighting` must be "exact" or a callable, and `reduction` "mean", '
+                'with micro_batch_size="auto": "auto" changes the split, which must not '
+                f"change the update. Received: weighting={weighting!r}, "
+                f"reduction={reduction!r}"
+            )
 
     @property
     def split(self) -> bool:
@@ -293,7 +300,7 @@ class Accumulation:
             _split.AutoSize(options.max_micro_batch_size) if options.auto else None
         )
         self._verbose = 0
-        self._announced = False
+        self._announced = None
 
     @property
     def host(self):
@@ -312,8 +319,10 @@ class Accumulation:
         which says once (when `fit` is verbose) where it settled."""
         search = self.auto_size
         self.host.__dict__["micro_batch_size"] = search.chosen
-        if search.settled and not self._announced:
-            self._announced = True
+        # Said when a size that ran out of memory decided it (and again if the
+        # search later settles elsewhere); without a failure nothing is split.
+        if search.settled and search.fails is not None and self._announced != search.chosen:
+            self._announced = search.chosen
             if self._verbose:
                 failed = ", ".join(str(size) for size in search.failures)
                 reason = f" ({failed} ran out of memory)" if failed else ""
@@ -344,8 +353,11 @@ class Accumulation:
         else:
             make(force=force)
         function = host.train_function
-        if self.options.auto and not getattr(function, "gradaccum_retrying", False):
-            host.train_function = _retry.retrying(self, function)
+        if self.options.split and not getattr(function, "gradaccum_wrapped", False):
+            if self.options.auto:
+                host.train_function = _retry.retrying(self, function)
+            else:
+                host.train_function = _retry.resetting_on_error(self, function)
         return host.train_function
 
     def attach(self, host, own_step=None) -> None:
@@ -645,8 +657,6 @@ class Accumulation:
         state = self.state
         own_step = self._own_step
         state.epoch_step.assign_add(1)
-        if self.options.auto:
-            state.applying.assign(False)
         size = self._micro_batch_size_in_step()
         if own_step is None:
             host = self.host
@@ -671,13 +681,15 @@ class Accumulation:
             )
             done = tf.nest.flatten(logs)
             pairs = list(state.own)
+        after = tf.nest.flatten(done)
         if self.options.auto:
-            # Ops on different variables are not ordered by themselves: this one
-            # must follow the micro-batches.
-            with tf.control_dependencies(tf.nest.flatten(done)):
-                state.applying.assign(True)
-        for acc, optimizer in pairs:
-            acc.apply(optimizer)
+            # Ops on different variables are not ordered by themselves: the flag
+            # follows the micro-batches, and the update follows the flag.
+            with tf.control_dependencies(after):
+                after = [tf.convert_to_tensor(state.applying.assign(True))]
+        with tf.control_dependencies(after):
+            for acc, optimizer in pairs:
+                acc.apply(optimizer)
         return logs
 
     def _exact_split_micro_batch(self, micro, weighted, weights):

@@ -60,6 +60,27 @@ def _changing_variables(accumulation) -> list:
     return variables
 
 
+def _reset_windows(accumulation) -> None:
+    for acc in accumulation.state.accumulators():
+        acc.reset()
+
+
+def resetting_on_error(accumulation, function):
+    """Split mode: a step that raises (a non-finite gradient with
+    `nonfinite="raise"`, an interrupted run) leaves no half-filled window behind; a
+    batch's window is empty when the next batch starts."""
+
+    def train_function(iterator):
+        try:
+            return function(iterator)
+        except Exception:
+            _reset_windows(accumulation)
+            raise
+
+    train_function.gradaccum_wrapped = True
+    return train_function
+
+
 def retrying(accumulation, function):
     """The train function `fit` calls, running each batch through `function`
     (Keras's, given one batch at a time) with the micro-batch size of the search,
@@ -70,14 +91,34 @@ def retrying(accumulation, function):
     cache = {}
 
     def snapshot():
-        count = len(accumulation.state.own)
-        if cache.get("own") != count or cache.get("state") is not accumulation.state:
+        """The snapshot of what a step changes, made again when that grew: the
+        first step's trace creates the compiled metrics and a model's own step
+        its accumulators."""
+        state = accumulation.state
+        key = (
+            id(state),
+            len(state.own),
+            len(host.metrics_variables),
+            len(host.non_trainable_variables),
+        )
+        if cache.get("key") != key:
             cache.update(
-                own=count,
-                state=accumulation.state,
-                snapshot=Snapshot(_changing_variables(accumulation), strategy),
+                key=key, snapshot=Snapshot(_changing_variables(accumulation), strategy)
             )
         return cache["snapshot"]
+
+    def roll_back(kept):
+        """Undoes a failed attempt; returns the snapshot to keep from now on."""
+        _reset_windows(accumulation)
+        fresh = snapshot()
+        if fresh is not kept:
+            # Metrics the failed attempt created (traced) held their initial
+            # values before it: reset every metric, then put back the others.
+            host.reset_metrics()
+        kept.restore()
+        if fresh is not kept:
+            fresh.take()
+        return fresh
 
     def run_batch(data):
         state = accumulation.state
@@ -89,25 +130,21 @@ def retrying(accumulation, function):
         while True:
             size = min(search.size_for(batch), max(batch, 1))
             state.micro_batch_size.assign(size)
+            # Set here, not in the step: ops on different variables are not ordered
+            # there, and a failure may come before the step's first op ran.
+            state.applying.assign(False)
             try:
                 logs = function(iter([data]))
             except tf.errors.ResourceExhaustedError as error:
                 if bool(state.applying.numpy()):
+                    _reset_windows(accumulation)
                     error.add_note(
                         "gradaccum: micro_batch_size='auto' cannot retry this batch: "
                         "memory ran out while the optimizer applied the update, "
                         "which a smaller micro-batch does not change."
                     )
                     raise
-                for acc in state.accumulators():
-                    acc.reset()
-                kept.restore()
-                # The failed step may have created accumulators (a model's own
-                # step): they are in the snapshot from now on.
-                fresh = snapshot()
-                if fresh is not kept:
-                    fresh.take()
-                    kept = fresh
+                kept = roll_back(kept)
                 if size <= 1:
                     error.add_note(
                         "gradaccum: micro_batch_size='auto' ran out of memory with "
@@ -116,6 +153,9 @@ def retrying(accumulation, function):
                     raise
                 search.failed(size)
                 continue
+            except Exception:
+                _reset_windows(accumulation)
+                raise
             search.ran(size)
             accumulation.size_chosen()
             if isinstance(logs, dict):
@@ -134,5 +174,5 @@ def retrying(accumulation, function):
             logs = run_batch(data)
         return logs
 
-    train_function.gradaccum_retrying = True
+    train_function.gradaccum_wrapped = True
     return train_function
