@@ -666,9 +666,9 @@ class Accumulation:
                 # so a smaller last micro-batch is one more compiled shape.
                 micro_batch = tf.function(micro_batch, jit_compile=True, autograph=False)
             zero = tf.constant(0.0)
-            done = _split.for_each(data, size, micro_batch, (zero, zero))
+            weighted, weights = _split.for_each(data, size, micro_batch, (zero, zero))
+            after = [weighted, weights]
             # The batch's loss, logged as Keras logs a batch's: weighted by its size.
-            weighted, weights = done
             kc.loss_tracker(host).update_state(
                 tf.math.divide_no_nan(weighted, weights),
                 sample_weight=_split.batch_size(data),
@@ -679,9 +679,8 @@ class Accumulation:
             logs = _split.fold(
                 data, size, lambda micro: self.intercepted_step(own_step, micro)
             )
-            done = tf.nest.flatten(logs)
+            after = tf.nest.flatten(logs)
             pairs = list(state.own)
-        after = tf.nest.flatten(done)
         if self.options.auto:
             # Ops on different variables are not ordered by themselves: the flag
             # follows the micro-batches, and the update follows the flag.

@@ -103,50 +103,43 @@ def micro_batch_count(batch, size):
     return (batch + size - 1) // size
 
 
-def for_each(data, size, body, initial):
-    """Runs `carry = body(micro_batch, carry)` on each micro-batch of `data`, in
-    order, one at a time (the next starts when the previous one's updates are
-    done), from `initial` (a tuple of tensors). Returns the last carry, available
-    once every micro-batch ran."""
+def _loop(data, size, body, carry, start):
+    """`carry = body(micro_batch, carry)` for micro-batches `start`, `start + 1`, ...
+    of `data`, one at a time; returns the last carry."""
     size = tf.cast(size, tf.int32)
     batch = batch_size(data)
 
-    def step(i, *carry):
-        start = i * size
-        carry = body(take(data, start, tf.minimum(size, batch - start)), *carry)
-        return (i + 1, *carry)
+    def step(i, carry):
+        begin = i * size
+        return i + 1, body(take(data, begin, tf.minimum(size, batch - begin)), carry)
 
-    _, *carry = tf.while_loop(
-        lambda i, *_: i < micro_batch_count(batch, size),
+    _, carry = tf.while_loop(
+        lambda i, _: i < micro_batch_count(batch, size),
         step,
-        (tf.constant(0), *initial),
+        (tf.constant(start), carry),
         parallel_iterations=1,
     )
-    return tuple(carry)
+    return carry
+
+
+def for_each(data, size, body, initial):
+    """Runs `carry = body(micro_batch, *carry)` on each micro-batch of `data`, in
+    order, one at a time (the next starts when the previous one's updates are
+    done), from `initial` (a tuple of tensors). Returns the last carry, available
+    once every micro-batch ran."""
+    return tuple(_loop(data, size, lambda micro, carry: body(micro, *carry), initial, 0))
 
 
 def fold(data, size, body):
     """As `for_each`, where `body` returns a structure of tensors (a step's logs):
     returns what the last micro-batch's `body` returned. The first micro-batch runs
     before the loop, which learns the structure from it."""
-    size = tf.cast(size, tf.int32)
-    batch = batch_size(data)
-    first = tf.nest.map_structure(
-        tf.convert_to_tensor, body(take(data, 0, tf.minimum(size, batch)))
-    )
 
-    def step(i, _):
-        start = i * size
-        out = body(take(data, start, tf.minimum(size, batch - start)))
-        return i + 1, tf.nest.map_structure(tf.convert_to_tensor, out)
+    def run(micro, _=None):
+        return tf.nest.map_structure(tf.convert_to_tensor, body(micro))
 
-    _, last = tf.while_loop(
-        lambda i, _: i < micro_batch_count(batch, size),
-        step,
-        (tf.constant(1), first),
-        parallel_iterations=1,
-    )
-    return last
+    first = run(take(data, 0, tf.minimum(tf.cast(size, tf.int32), batch_size(data))))
+    return _loop(data, size, run, first, 1)
 
 
 def eager_batch_size(data, strategy=None) -> int:
@@ -157,15 +150,7 @@ def eager_batch_size(data, strategy=None) -> int:
         return 0
     first = leaves[0]
     parts = strategy.experimental_local_results(first) if strategy is not None else (first,)
-    sizes = []
-    for part in parts:
-        if isinstance(part, tf.SparseTensor):
-            sizes.append(int(part.dense_shape[0]))
-        elif isinstance(part, tf.RaggedTensor):
-            sizes.append(int(part.nrows()))
-        else:
-            sizes.append(int(part.shape[0]))
-    return max(sizes)
+    return max(int(_first_dimension(part)[1]) for part in parts)
 
 
 class AutoSize:
