@@ -1,9 +1,18 @@
 """One worker of the MultiWorkerMirroredStrategy test, and its single-process reference.
 
-Run as `python multiworker_job.py OUT.npz` with TF_CONFIG set: trains with a custom
-loop (strategy.run + GradientAccumulator.step) under MultiWorkerMirroredStrategy, each
-worker reading its own share of every global micro-batch (4 of 8 rows; the last batch
-of 5 splits 4 / 1), and saves the final weights. `single_process_reference()` trains
+Run as `python multiworker_job.py OUT.npz` with TF_CONFIG set. Under
+MultiWorkerMirroredStrategy the worker trains three times from the same weights and
+saves each result:
+
+- `loop`: a custom loop (strategy.run + GradientAccumulator.step), each worker
+  reading its own share of every global micro-batch (4 of 8 rows; the last batch of 5
+  splits 4 / 1);
+- `accumulate` and `wrap`: `fit()` with `gradaccum.accumulate` / `gradaccum.wrap`,
+  steps=3, on the same arrays (Keras shards each global batch of 8 between the
+  workers: 4 / 4, the last batch of 5 as 3 / 2), then `evaluate` on 40 rows.
+
+It counts the cross-replica batch reductions (gradaccum's one per update) by
+wrapping `strategy.extended.batch_reduce_to`. `single_process_reference()` trains
 plain Keras on the same global windows in one process.
 """
 
@@ -68,7 +77,48 @@ def single_process_reference():
     windows = global_windows() * EPOCHS
     for w in windows:
         model.train_on_batch(x[w], y[w])
-    return {"loop": model.get_weights(), "loop_updates": len(windows)}
+    evaluation = model.evaluate(*evaluation_arrays(), batch_size=GLOBAL_BATCH, verbose=0)
+    return {"loop": model.get_weights(), "loop_updates": len(windows),
+            "evaluate": evaluation}
+
+
+def evaluation_arrays():
+    rng = np.random.default_rng(12)
+    return rng.normal(size=(40, 6)).astype("float32"), rng.integers(0, 3, size=40)
+
+
+def counting_reductions(strategy):
+    """Counts, at run time, the batch reductions the strategy performs."""
+    import tensorflow as tf
+
+    count = tf.Variable(0, dtype=tf.int64, trainable=False)
+    reduce = strategy.extended.batch_reduce_to
+
+    def counted(*args, **kwargs):
+        with tf.control_dependencies([count.assign_add(1)]):
+            return reduce(*args, **kwargs)
+
+    strategy.extended.batch_reduce_to = counted
+    return count
+
+
+def fit_with(strategy, door, x, y, saved, count):
+    import gradaccum
+
+    start = int(count.numpy())
+    with strategy.scope():
+        model = build_model()
+        trainer = getattr(gradaccum, door)(model, steps=STEPS)
+        trainer.compile(optimizer(), loss())
+    history = trainer.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False,
+                          verbose=0)
+    saved.update({f"{door}_{i}": w for i, w in enumerate(model.get_weights())})
+    saved[f"{door}_updates"] = int(trainer.optimizer.iterations.numpy())
+    saved[f"{door}_logged_updates"] = history.history["updates"]
+    saved[f"{door}_reductions"] = int(count.numpy()) - start
+    saved[f"{door}_evaluate"] = trainer.evaluate(
+        *evaluation_arrays(), batch_size=GLOBAL_BATCH, verbose=0
+    )
 
 
 def main(out_path):
@@ -86,10 +136,6 @@ def main(out_path):
         ds = tf.data.Dataset.from_tensor_slices((x[rows], y[rows]))
         return ds.batch(GLOBAL_BATCH // WORKERS)
 
-    # Keras 3.15's fit() fails under MultiWorkerMirroredStrategy before training
-    # (its first-batch build and its metric reduction both call strategy.reduce in
-    # ways this strategy refuses), for plain Keras models too, so the workers train
-    # with a custom loop.
     saved = {}
     # A custom loop: strategy.run with GradientAccumulator.step.
     with strategy.scope():
@@ -121,6 +167,9 @@ def main(out_path):
             acc.apply(opt)  # the epoch's partial window
     saved.update({f"loop_{i}": w for i, w in enumerate(model.get_weights())})
     saved["loop_updates"] = int(opt.iterations.numpy())
+    count = counting_reductions(strategy)
+    for door in ("accumulate", "wrap"):
+        fit_with(strategy, door, x, y, saved, count)
     np.savez(out_path, **saved)
 
 

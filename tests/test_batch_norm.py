@@ -304,7 +304,7 @@ def test_wrap_converts_on_request():
 # Bad input ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("option", ["renorm", "synchronized"])
+@pytest.mark.parametrize("option", ["renorm"])
 def test_options_that_cannot_be_honoured_are_refused(option):
     with pytest.raises(ValueError) as info:
         gradaccum.BatchNormalization(**{option: True}, name="bn")

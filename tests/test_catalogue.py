@@ -95,35 +95,6 @@ def accumulate_in_cross_replica_context():
         acc.accumulate([tf.zeros_like(v) for v in model.trainable_variables])
 
 
-def loss_scaling_on_two_replicas():
-    strategy = two_replicas()
-    with strategy.scope():
-        v = tf.Variable([1.0])
-        opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
-        acc = gradaccum.GradientAccumulator([v])
-
-    def replica():
-        acc.accumulate([tf.constant([1.0])], loss_scale_optimizer=opt)
-
-    strategy.run(tf.function(replica, autograph=False))
-
-
-def batch_norm_on_two_replicas():
-    strategy = two_replicas()
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((3,)), gradaccum.BatchNormalization()])
-        gradaccum.GradientAccumulator(model.trainable_variables, layers=model)
-
-
-def compile_loss_scaling_on_two_replicas():
-    strategy = two_replicas()
-    with strategy.scope():
-        wrapped = gradaccum.wrap(make_mlp(), steps=2)
-        wrapped.compile(
-            optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()), loss="mse"
-        )
-
-
 def nonfinite_raise():
     acc = accumulator(steps=2, nonfinite="raise")
     acc.accumulate([tf.constant([1.0, 1.0])])
@@ -182,7 +153,6 @@ CASES = {
     "accumulator-outside-scope": lambda: built_outside_then_in(
         two_replicas(), lambda m: gradaccum.GradientAccumulator(m.trainable_variables)
     ),
-    "accumulator-batch-norm-replicas": batch_norm_on_two_replicas,
     # accumulate / step / apply
     "accumulate-gradients-length": lambda: accumulator().accumulate([]),
     "accumulate-gradient-shape": lambda: accumulator().accumulate([tf.zeros([3])]),
@@ -192,7 +162,6 @@ CASES = {
     "accumulate-loss-scale-optimizer": lambda: accumulator().accumulate(
         [tf.zeros([2])], loss_scale_optimizer=keras.optimizers.Adam()
     ),
-    "accumulate-loss-scale-replicas": loss_scaling_on_two_replicas,
     "accumulate-cross-replica": accumulate_in_cross_replica_context,
     "accumulate-nonfinite-raise": nonfinite_raise,
     "step-without-steps": lambda: accumulator().step(keras.optimizers.SGD(), [tf.zeros([2])]),
@@ -239,7 +208,6 @@ CASES = {
     "compile-optimizer-accumulates": lambda: trainer().compile(
         optimizer=keras.optimizers.SGD(gradient_accumulation_steps=2), loss=SCE
     ),
-    "compile-loss-scaling-replicas": compile_loss_scaling_on_two_replicas,
     "fit-empty-data": lambda: fit(trainer(), data=empty_data()),
     "fit-unbuilt-empty-data": lambda: fit(
         gradaccum.wrap(keras.Sequential([keras.layers.Dense(3)], name="net"), steps=2),
@@ -260,9 +228,6 @@ CASES = {
     ),
     # BatchNormalization / convert_batch_normalization
     "batch-norm-renorm": lambda: gradaccum.BatchNormalization(renorm=True, name="bn"),
-    "batch-norm-synchronized": lambda: gradaccum.BatchNormalization(
-        synchronized=True, name="bn"
-    ),
     "batch-norm-weights": lambda: load_four_into_six(None),
     "convert-subclassed": lambda: gradaccum.convert_batch_normalization(Subclassed()),
     "convert-renorm": lambda: gradaccum.convert_batch_normalization(bn_model(renorm=True)),

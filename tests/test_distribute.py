@@ -220,11 +220,13 @@ def test_one_cross_replica_reduction_per_update_in_fit(steps, door):
     updates = int(trainer.optimizer.iterations.numpy())
     assert updates == 2 * 16 // steps
     assert int(ops.reductions) == updates
-    # Each reduction carries every accumulator, the weight total and the received
-    # counts (one float32 per variable).
+    # Each reduction carries every accumulator, the weight total, the received
+    # counts (one float32 per variable) and the window's counts of accumulated and
+    # skipped shares (two float32).
     variables = model.trainable_variables
-    assert int(ops.tensors) == updates * (len(variables) + 2)
+    assert int(ops.tensors) == updates * (len(variables) + 3)
     payload = sum(int(np.prod(v.shape)) for v in variables) * 4 + 4 + 4 * len(variables)
+    payload += 2 * 4
     assert int(ops.bytes) == updates * payload
 
 
@@ -300,39 +302,6 @@ def test_wrap_refuses_a_model_built_outside_the_strategy_scope():
     )
 
 
-def test_loss_scaling_is_refused_on_several_replicas():
-    strategy = mirrored()
-    with strategy.scope():
-        trainer = gradaccum.wrap(mlp(), steps=2)
-        with pytest.raises(ValueError) as info:
-            trainer.compile(
-                optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()),
-                loss="mse",
-            )
-    assert str(info.value) == (
-        "Loss scaling with gradaccum is supported on one replica: the loss scale would "
-        "have to agree across replicas on every micro-batch. Received: a "
-        "LossScaleOptimizer (given, or Keras's under the mixed_float16 policy) under "
-        "MirroredStrategy with 2 replicas. Use the mixed_bfloat16 policy (no loss "
-        "scaling) under a strategy."
-    )
-
-
-def test_batch_normalization_is_refused_on_several_replicas():
-    strategy = mirrored()
-    with strategy.scope():
-        model = keras.Sequential(
-            [keras.Input((6,)), gradaccum.BatchNormalization(), keras.layers.Dense(3)]
-        )
-        with pytest.raises(ValueError) as info:
-            gradaccum.GradientAccumulator(model.trainable_variables, layers=model)
-    assert str(info.value) == (
-        "gradaccum.BatchNormalization pools window statistics on one replica: it is "
-        "not supported under MirroredStrategy with 2 replicas. Received: layers with 1 "
-        "gradaccum.BatchNormalization layer(s)."
-    )
-
-
 def test_custom_loop_refuses_an_accumulator_of_variables_built_outside_the_scope():
     strategy = mirrored()
     model = mlp()
@@ -384,6 +353,7 @@ def _free_ports(count):
 
 
 def test_multi_worker_mirrored_two_processes_equal_a_single_process(tmp_path):
+    """A custom loop and fit() (accumulate and wrap) on 2 workers of 127.0.0.1."""
     ports = _free_ports(2)
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
     procs = []
@@ -416,6 +386,16 @@ def test_multi_worker_mirrored_two_processes_equal_a_single_process(tmp_path):
         for i, want in enumerate(expected["loop"]):
             np.testing.assert_allclose(got[f"loop_{i}"], want, rtol=1e-5, atol=1e-6)
         assert int(got["loop_updates"]) == expected["loop_updates"] == 4
+        # fit() under the strategy, through both doors: the same global windows
+        # (the last batch's 3 / 2 shares weighted exactly), one reduction per update.
+        for door in ("accumulate", "wrap"):
+            for i, want in enumerate(expected["loop"]):
+                np.testing.assert_allclose(got[f"{door}_{i}"], want, rtol=1e-5, atol=1e-6)
+            assert int(got[f"{door}_updates"]) == 4
+            assert list(got[f"{door}_logged_updates"]) == [2.0, 4.0]
+            assert int(got[f"{door}_reductions"]) == 4
+            np.testing.assert_allclose(got[f"{door}_evaluate"], expected["evaluate"],
+                                       rtol=1e-5)
 
 
 def _logs(folder):

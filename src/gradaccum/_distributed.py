@@ -2,8 +2,10 @@
 
 Under `MirroredStrategy` or `MultiWorkerMirroredStrategy` each replica accumulates
 into its own copy of the state (sync-on-read variables) without communicating. At an
-update the replicas' sums, weight totals and received counts travel in ONE batched
-all-reduce (`reduce_window`), and every device forms the same global `G`.
+update the replicas' sums, weight totals, received counts, window counts (how many
+shares were accumulated and skipped: the loss scale's one reaction) and the
+`gradaccum.BatchNormalization` window statistics travel in ONE batched all-reduce
+(`reduce_window`), and every device forms the same global `G`.
 """
 
 from __future__ import annotations
@@ -74,30 +76,6 @@ def distribution_of(variables):
     return strategy
 
 
-def check_loss_scaling_replicas(strategy) -> None:
-    """Refuses loss scaling under several replicas: the loss scale would have to
-    agree across replicas on every micro-batch."""
-    if several_replicas(strategy):
-        raise ValueError(
-            "Loss scaling with gradaccum is supported on one replica: the loss scale "
-            "would have to agree across replicas on every micro-batch. Received: a "
-            "LossScaleOptimizer (given, or Keras's under the mixed_float16 policy) "
-            f"under {strategy_name(strategy)} with {strategy.num_replicas_in_sync} "
-            "replicas. Use the mixed_bfloat16 policy (no loss scaling) under a strategy."
-        )
-
-
-def check_batch_norm_replicas(strategy, count: int) -> None:
-    """Refuses gradaccum.BatchNormalization under several replicas."""
-    if count and several_replicas(strategy):
-        raise ValueError(
-            "gradaccum.BatchNormalization pools window statistics on one replica: "
-            f"it is not supported under {strategy_name(strategy)} with "
-            f"{strategy.num_replicas_in_sync} replicas. Received: layers with "
-            f"{count} gradaccum.BatchNormalization layer(s)."
-        )
-
-
 def check_replica_context(method: str, variables) -> None:
     """`method` adds a replica's own gradients: under a strategy it must run inside
     `strategy.run`."""
@@ -114,12 +92,13 @@ def check_replica_context(method: str, variables) -> None:
         )
 
 
-def reduce_window(strategy, variables) -> list:
-    """The one communication of a window: the replicas' copies of `variables`
-    summed in one batched all-reduce; returns the global sums (every device holds
-    the same values)."""
+def reduce_window(strategy, values) -> list:
+    """The one communication of a window: the replicas' copies of `values`
+    (replica-local variables, or per-replica tensors from `strategy.run` or a
+    `merge_call`) summed in one batched all-reduce; returns the global sums (every
+    device holds the same values)."""
     reduced = strategy.extended.batch_reduce_to(
-        tf.distribute.ReduceOp.SUM, [(v, v) for v in variables]
+        tf.distribute.ReduceOp.SUM, [(v, v) for v in values]
     )
     return [strategy.experimental_local_results(r)[0] for r in reduced]
 

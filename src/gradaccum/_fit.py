@@ -406,7 +406,7 @@ class Accumulation:
             # restore a position inside an epoch.
             self.state.epoch_step.assign(0)
             self.state.resume_skip.assign(0)
-        with kc.observing_epoch_length(host, hook):
+        with kc.across_workers(host), kc.observing_epoch_length(host, hook):
             return fit(
                 x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
                 callbacks=callbacks, **kwargs,
@@ -631,11 +631,9 @@ class Accumulation:
                 y_pred = host(x)
             loss = kc.compute_loss(host, x, y, y_pred, sample_weight)
             weight = tf.stop_gradient(self.micro_batch_weight(x, y, sample_weight, True))
-            objective = loss
+            objective = kc.unscale_loss_for_distribution(loss)
             if weigh_loss:
-                objective = kc.unscale_loss_for_distribution(loss) * tf.cast(
-                    weight, loss.dtype
-                )
+                objective = objective * tf.cast(weight, loss.dtype)
             # Loss scaling (a LossScaleOptimizer's dynamic scale, or an optimizer's
             # static `loss_scale_factor`), as Keras's own train step does.
             objective = host.optimizer.scale_loss(objective)

@@ -43,6 +43,7 @@ PRIVATE_PIECES = (
     (keras.layers.Layer, "_flatten_layers", ("include_self", "recursive")),
     (Trainer, "_compute_loss", ("x", "y", "y_pred", "sample_weight", "training")),
     (TensorFlowTrainer, "_maybe_symbolic_build", ("iterator", "data_batch")),
+    (Trainer, "_symbolic_build", ("iterator", "data_batch")),
     (TFOptimizer, "_var_key", ("variable",)),
     (TFOptimizer, "_apply_weight_decay", ("variables",)),
     (TFOptimizer, "_backend_update_step", ("grads", "trainable_variables", "learning_rate")),
@@ -52,6 +53,10 @@ PRIVATE_PIECES = (
     (keras.optimizers.Optimizer, "update_step", ("gradient", "variable", "learning_rate")),
     (keras.optimizers.LossScaleOptimizer, "_stateful_handle_non_finite_grads", ()),
     (_KerasBatchNormalization, "_moments", ("inputs", "mask")),
+    (keras.layers.Layer, "_track_variable", ("variable",)),
+    (keras.Variable, "__init__",
+     ("initializer", "shape", "dtype", "trainable", "autocast", "aggregation",
+      "synchronization", "name")),
 )
 
 # Instance attributes read (checked on live objects by the tests): Model's
@@ -117,8 +122,24 @@ def compiled_loss(model):
 
 
 def batch_norm_moments(layer, inputs, mask):
-    """Keras's BatchNormalization micro-batch moments (mask-aware)."""
-    return layer._moments(inputs, mask)
+    """Keras's BatchNormalization moments of this replica's micro-batch (mask-aware),
+    never synchronized: gradaccum pools the replicas' statistics itself."""
+    with _overriding(layer, synchronized=False):
+        return layer._moments(inputs, mask)
+
+
+def add_replica_local_weight(layer, name, shape):
+    """A float32 zeros state variable of `layer`, made as `add_weight` makes one,
+    but replica-local under a strategy (synchronized on read, summed when read
+    across replicas): each replica updates its own copy without communicating.
+    `Layer.add_weight` takes no `synchronization`; `keras.Variable` does."""
+    with keras.name_scope(layer.name, caller=layer):
+        variable = keras.Variable(
+            initializer="zeros", shape=shape, dtype="float32", trainable=False,
+            autocast=False, aggregation="sum", synchronization="on_read", name=name,
+        )
+    layer._track_variable(variable)
+    return variable
 
 
 def batch_norm_reduction_axes(layer) -> list:
@@ -261,6 +282,63 @@ def observing_epoch_length(model, hook):
         yield
 
 
+def multi_worker(strategy) -> bool:
+    """Whether `strategy` is a MultiWorkerMirroredStrategy with several workers (the
+    test Keras's TensorFlow trainer makes before reducing a step's logs)."""
+    return isinstance(
+        strategy, tf.distribute.MultiWorkerMirroredStrategy
+    ) and strategy.extended._in_multi_worker_mode()
+
+
+@contextlib.contextmanager
+def across_workers(model):
+    """Within the block (a `fit` or `evaluate`), Keras 3.15's trainer runs under a
+    MultiWorkerMirroredStrategy with several workers; elsewhere it does nothing.
+
+    Two Keras failures, for any model (keras-team/keras issue 20585;
+    tensorflow/tensorflow issue 72388), both in keras/src/backend/tensorflow/trainer.py:
+
+    - `_maybe_symbolic_build` averages the first batch across replicas with
+      `strategy.reduce("MEAN", (x, y), axis=None)`, which this strategy cannot do on
+      a nested structure ("Attempt to convert a value (PerReplica...)"). The build
+      needs shapes and dtypes only: it is given this worker's first replica's batch.
+    - `reduce_per_replica` reduces each log with `strategy.reduce("MEAN", v,
+      axis=0)`, which fails on the scalar logs every step returns ("Invalid
+      reduction dimension 0 for input with 0 dimensions"). The steps' scalar logs
+      are given shape [1]: the mean over axis 0 across replicas is then a scalar
+      again, the replicas' mean as under MirroredStrategy.
+    """
+    strategy = model.distribute_strategy
+    if not multi_worker(strategy):
+        yield
+        return
+
+    def symbolic_build(iterator=None, data_batch=None):
+        if iterator is not None:
+            for _, _, batches in iterator:
+                data_batch = tf.nest.map_structure(
+                    lambda v: strategy.experimental_local_results(v)[0]
+                    if isinstance(v, tf.distribute.DistributedValues) else v,
+                    next(batches),
+                )
+                break
+        with strategy.scope():
+            model._symbolic_build(data_batch=data_batch)
+
+    def lifted(step):
+        def run(data):
+            return tf.nest.map_structure(
+                lambda t: tf.reshape(t, [1]) if tf.is_tensor(t) and t.shape.rank == 0 else t,
+                step(data),
+            )
+
+        return run
+
+    with _overriding(model, _maybe_symbolic_build=symbolic_build,
+                     train_step=lifted(model.train_step), test_step=lifted(model.test_step)):
+        yield
+
+
 def apply_gradients(optimizer, pairs) -> None:
     """`optimizer.apply_gradients(pairs)` as its class defines it: gradaccum's own
     update goes past the redirect that `gradaccum.accumulate` sets on a model's
@@ -293,6 +371,7 @@ def _overriding(obj, **methods):
 
 __all__ = [
     "PRIVATE_PIECES",
+    "add_replica_local_weight",
     "batch_norm_moments",
     "batch_norm_reduction_axes",
     "call_has_training_arg",
@@ -302,6 +381,7 @@ __all__ = [
     "compute_loss",
     "loss_tracker",
     "missing_pieces",
+    "multi_worker",
     "optimizer_variables_of",
     "own_variables",
     "back_off_loss_scale",
@@ -313,6 +393,7 @@ __all__ = [
     "count_compiled_losses",
     "apply_mask",
     "get_keras_mask",
+    "across_workers",
     "applying_across_replicas",
     "apply_gradients",
     "tf_variable",

@@ -11,7 +11,8 @@
   micro-batch, as `"skip"` does, without a warning.
 
 Under a `LossScaleOptimizer` an overflowing micro-batch is always skipped and the
-loss scale backs off, as Keras's own optimizer does.
+loss scale backs off, as Keras's own optimizer does: at once on one device, at the
+update under a strategy (`settle_loss_scale`).
 """
 
 from __future__ import annotations
@@ -152,3 +153,27 @@ def grow_loss_scale(optimizer) -> None:
         upscale,
         increment,
     )
+
+
+def settle_loss_scale(optimizer, overflowed, micro_batches) -> None:
+    """The loss scale's one reaction to a window under a strategy (in cross-replica
+    context, so every replica's copy changes alike): if any replica's share
+    overflowed, it backs off once, as Keras's does for a step with a non-finite
+    gradient; else the window's `micro_batches` count as that many finite steps
+    (the scale doubles each `dynamic_growth_steps` of them)."""
+
+    def back_off():
+        back_off_loss_scale(optimizer)
+        return tf.constant(False)
+
+    def grow():
+        growth = tf.cast(optimizer.dynamic_growth_steps, tf.int64)
+        total = tf.cast(optimizer.step_counter, tf.int64) + tf.cast(micro_batches, tf.int64)
+        doublings = total // growth
+        optimizer.step_counter.assign(tf.cast(total % growth, optimizer.step_counter.dtype))
+        factor = tf.pow(tf.constant(2.0, optimizer.dynamic_scale.dtype),
+                        tf.cast(doublings, optimizer.dynamic_scale.dtype))
+        optimizer.dynamic_scale.assign(optimizer.dynamic_scale * factor)
+        return tf.constant(True)
+
+    tf.cond(overflowed, back_off, grow)

@@ -61,8 +61,13 @@ class GradientAccumulator(tf.Module):
     Mixed precision: with a `keras.optimizers.LossScaleOptimizer`, pass gradients of
     `optimizer.scale_loss(loss)`; each micro-batch is unscaled into the float32
     accumulators, and one whose gradient is not finite is skipped with its weight
-    (the loss scale backs off as Keras's does, and `skipped` counts it). The update
-    is applied by the inner optimizer.
+    (`skipped` counts it). The update is applied by the inner optimizer. On one
+    device the loss scale backs off at the skipped micro-batch and grows after
+    `dynamic_growth_steps` finite ones, as Keras's does per step. Under a strategy
+    each replica screens its own share and the scale, the same on every replica,
+    changes at the update, from the window's counts carried in its one reduction:
+    it backs off once if any share of the window overflowed, else the window's
+    micro-batches count towards its growth.
 
     Args:
         variables: the (trainable) variables whose gradients are accumulated, in the
@@ -98,8 +103,7 @@ class GradientAccumulator(tf.Module):
         ValueError: on an empty variable list, invalid `steps`, an unknown
             `reduction` or `nonfinite`, a non-floating `accumulator_dtype`, `layers`
             that are not Keras layers, variables created outside the scope of the
-            distribution strategy in use, or `gradaccum.BatchNormalization` layers
-            under a strategy with several replicas.
+            distribution strategy in use.
 
     Example:
 
@@ -142,7 +146,6 @@ class GradientAccumulator(tf.Module):
         self._targets = Untracked(tuple(variables))
         strategy = dist.distribution_of(variables)
         batch_norms = batch_normalization_layers(layers)
-        dist.check_batch_norm_replicas(strategy, len(batch_norms))
         for layer in batch_norms:
             layer._accumulated = True
         self._batch_norms = Untracked(tuple(batch_norms))
@@ -199,7 +202,10 @@ class GradientAccumulator(tf.Module):
 
     @property
     def skipped(self) -> tf.Variable:
-        """Micro-batches skipped for a non-finite gradient, in all (int64 variable)."""
+        """Micro-batches skipped for a non-finite gradient, in all (int64 variable).
+
+        Under a strategy: replicas' shares skipped, summed across replicas, counted
+        when their window closes."""
         return self.state.skipped
 
     @property
@@ -245,7 +251,7 @@ class GradientAccumulator(tf.Module):
             ValueError: a gradients list of the wrong length, a gradient whose shape
                 does not match its variable, or (when executing eagerly) a weight
                 that is negative, non-finite or not a scalar; a `loss_scale_optimizer`
-                that is not a LossScaleOptimizer, or one under several replicas.
+                that is not a LossScaleOptimizer.
         """
         return self._add(gradients, weight, self._reduction == "mean", loss_scale_optimizer)
 
@@ -286,17 +292,23 @@ class GradientAccumulator(tf.Module):
     def _add_loss_scaled(self, gradients, weight, scale, optimizer):
         optimizer = self._check_loss_scale_optimizer(optimizer)
 
+        # Under a strategy the replicas learn of each other's overflows at the
+        # update (its one reduction), where the scale reacts once for the window.
+        react_now = not tf.distribute.has_strategy()
+
         def add_unscaled():
             # One multiply per gradient both unscales and weighs.
             factor = _screening.unscale_factor(optimizer, weight.dtype)
             self._add_micro_batch(gradients, weight, weight * factor if scale else factor)
-            _screening.grow_loss_scale(optimizer)
+            if react_now:
+                _screening.grow_loss_scale(optimizer)
             return tf.constant(True)
 
         def skip():
             # Under loss scaling an overflow is expected now and then: always skipped.
             self._count_skip()
-            _screening.back_off_loss_scale(optimizer)
+            if react_now:
+                _screening.back_off_loss_scale(optimizer)
             return tf.constant(False)
 
         self.state.micro_batches.assign_add(1)
@@ -353,7 +365,10 @@ class GradientAccumulator(tf.Module):
     def _count_skip(self, windowed: bool = True) -> None:
         if windowed:
             self.state.window_skipped.assign_add(1)
-        self.state.skipped.assign_add(1)
+        if not (windowed and tf.distribute.has_strategy()):
+            # Under a strategy a replica's skipped shares are counted at the
+            # update, summed across replicas (`_update_across_replicas`).
+            self.state.skipped.assign_add(1)
         for layer in self.batch_normalization_layers:
             layer._discard_micro_batch()
 
@@ -483,9 +498,10 @@ class GradientAccumulator(tf.Module):
         skipped.assign(tf.where(condition, tf.zeros_like(skipped), skipped))
         return tf.constant(False)
 
-    def _apply_combined(self, optimizer, combined, received) -> None:
+    def _apply_combined(self, optimizer, combined, received, pooled=None) -> None:
         """One optimizer update with G; a variable the window gave no gradient to is
-        left out of it (decided at run time), then the window resets."""
+        left out of it (decided at run time), then the window resets. `pooled`: the
+        batch normalization windows summed across replicas (one per layer)."""
         if kc.is_loss_scale_optimizer(optimizer):
             # The accumulated gradients are unscaled and finite already.
             optimizer = optimizer.inner_optimizer
@@ -516,8 +532,11 @@ class GradientAccumulator(tf.Module):
             return tf.constant(True)
 
         tf.cond(tf.reduce_all(received), apply_all, apply_received)
-        for layer in self.batch_normalization_layers:
-            layer._commit_window()
+        for i, layer in enumerate(self.batch_normalization_layers):
+            if pooled is None:
+                layer._commit_window()
+            else:
+                layer._commit_pooled(pooled[i])
         self.reset()
 
     # Distribution ----------------------------------------------------------------
@@ -525,44 +544,80 @@ class GradientAccumulator(tf.Module):
     def _apply_if_distributed(self, optimizer, condition):
         strategy = tf.distribute.get_strategy()
         dist.distribution_of(self.target_variables)
+        condition = tf.cast(condition, tf.bool)
+        # The window's length is the same on every replica (each replica sees a
+        # share of every micro-batch), so all of them agree to reduce.
         if tf.distribute.in_cross_replica_context():
             # Outside `strategy.run` (e.g. closing a window at the end of the data).
             self._prepare_optimizer(optimizer)
-            condition = tf.cast(condition, tf.bool)
-            due = tf.logical_and(condition, self.state.micro_step > 0)
-            return self._update_across_replicas_if(strategy, optimizer, due, condition)
+            due = tf.logical_and(condition, self.window_length() > 0)
+            window = strategy.run(self._replica_window)
+            return self._update_across_replicas_if(strategy, optimizer, due, window)
         context = tf.distribute.get_replica_context()
         if not getattr(optimizer, "built", True):
             context.merge_call(lambda _: self._prepare_optimizer(optimizer))
         check_optimizer(optimizer)
-        condition = tf.cast(condition, tf.bool)
-        due = tf.logical_and(condition, self.state.micro_step > 0)
+        due = tf.logical_and(condition, self.window_length() > 0)
         # Replicas cannot synchronize inside a tf.cond of a replica function (keras
         # issue 20582), so they meet here on every call, which costs no
         # communication, and the condition is taken in cross-replica context.
         return context.merge_call(
-            self._update_across_replicas_if, args=(optimizer, due, condition)
+            self._update_across_replicas_if,
+            args=(optimizer, due, self._replica_window()),
         )
 
-    def _update_across_replicas_if(self, strategy, optimizer, due, condition):
-        due = dist.first_local(strategy, due)
-        condition = dist.first_local(strategy, condition)
-        return tf.cond(
-            due,
-            lambda: self._update_across_replicas(strategy, optimizer),
-            lambda: self._close_if_empty(condition),
-        )
-
-    def _update_across_replicas(self, strategy, optimizer):
+    def _replica_window(self):
+        """What a replica adds to the window's reduction besides its sums: how many
+        of its shares were accumulated and skipped, then the shifted sums of each
+        driven batch normalization layer's window (see `BatchNormalization`)."""
         state = self.state
-        *sums, total_weight, received = dist.reduce_window(
-            strategy, [*state.accumulators, state.total_weight, state.received]
+        dtype = state.total_weight.dtype
+        counts = tf.cast(tf.stack([state.micro_step, state.window_skipped]), dtype)
+        sums = [tf.cast(layer._window_sums(), dtype) for layer in self.batch_normalization_layers]
+        return tf.concat([counts, *sums], axis=0)
+
+    def _update_across_replicas_if(self, strategy, optimizer, due, window):
+        return tf.cond(
+            dist.first_local(strategy, due),
+            lambda: self._update_across_replicas(strategy, optimizer, window),
+            lambda: tf.constant(False),
         )
+
+    def _update_across_replicas(self, strategy, optimizer, window):
+        state = self.state
+        *sums, total_weight, received, window = dist.reduce_window(
+            strategy, [*state.accumulators, state.total_weight, state.received, window]
+        )
+        accepted, skipped = window[0], window[1]
+        pooled, start = [], 2
+        for layer in self.batch_normalization_layers:
+            size = layer._window_sums_size()
+            pooled.append(tf.cast(window[start:start + size], tf.float32))
+            start += size
+        inner = optimizer
         if kc.is_loss_scale_optimizer(optimizer):
-            optimizer = optimizer.inner_optimizer
-        with kc.applying_across_replicas(optimizer, strategy):
-            self._apply_combined(optimizer, self._combine(sums, total_weight), received)
-        return tf.constant(True)
+            inner = optimizer.inner_optimizer
+
+        def update():
+            with kc.applying_across_replicas(inner, strategy):
+                self._apply_combined(
+                    inner, self._combine(sums, total_weight), received, pooled
+                )
+            return tf.constant(True)
+
+        def close_empty():
+            # Every share of the window was skipped: it closes without an update.
+            self.reset()
+            return tf.constant(False)
+
+        micro_batches = self.window_length()
+        # Every replica's skipped shares, in the one count every replica keeps.
+        state.skipped.assign(state.skipped + tf.cast(skipped, tf.int64))
+        applied = tf.cond(accepted > 0, update, close_empty)
+        if inner is not optimizer:
+            with tf.control_dependencies([applied]):
+                _screening.settle_loss_scale(optimizer, skipped > 0, micro_batches)
+        return applied
 
     def step(self, optimizer, gradients, weight=1.0):
         """Accumulates a micro-batch, and applies when `steps` micro-batches are in.
@@ -603,6 +658,5 @@ class GradientAccumulator(tf.Module):
                 "`loss_scale_optimizer` must be a keras.optimizers.LossScaleOptimizer. "
                 f"Received: loss_scale_optimizer of type {type(optimizer).__name__}"
             )
-        dist.check_loss_scaling_replicas(tf.distribute.get_strategy())
         self._prepare_optimizer(optimizer)
         return optimizer

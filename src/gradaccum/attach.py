@@ -16,7 +16,7 @@ import keras
 import numpy as np
 
 from gradaccum import _keras_compat as kc
-from gradaccum._distributed import check_loss_scaling_replicas, distribution_of
+from gradaccum._distributed import distribution_of
 from gradaccum._fit import Accumulation, Options, uses_default_train_step
 from gradaccum._validation import check_optimizer
 from gradaccum.weighting import record_normalizers
@@ -234,7 +234,8 @@ def _install(model, accumulation: Accumulation) -> None:
 
     def evaluate(*args, **kwargs):
         accumulation.before_evaluate(kwargs)
-        return cls.evaluate(model, *args, **kwargs)
+        with kc.across_workers(model):
+            return cls.evaluate(model, *args, **kwargs)
 
     def train_step(data):
         return accumulation.train_step(data)
@@ -298,6 +299,4 @@ def _recompile(model, accumulation, *, user_config, steps_per_execution_given):
         config["steps_per_execution"] = steps if replicas == 1 and steps else 1
     keras.Model.compile(model, **config)
     kc.set_compile_config(model, user_config)
-    if kc.is_loss_scale_optimizer(model.optimizer):
-        check_loss_scaling_replicas(model.distribute_strategy)
     accumulation.forget()

@@ -26,8 +26,6 @@ from gradaccum._keras_compat import Functional, flatten_layers
 _REFUSED = {
     "renorm": "batch renormalization corrects every micro-batch with moving statistics "
     "that would change once per window",
-    "synchronized": "micro-batch statistics are pooled per window by gradaccum, on one "
-    "replica",
 }
 
 
@@ -44,6 +42,25 @@ def merge_moments(a, b):
     mean = mean_a + delta * tf.math.divide_no_nan(n_b, n)
     m2 = m2_a + m2_b + tf.square(delta) * tf.math.divide_no_nan(n_a * n_b, n)
     return n, mean, m2
+
+
+def shifted_sums(count, mean, m2, shift):
+    """(count, mean, m2) per channel as sums that add across groups: the count, the
+    sum of deviations from `shift` and the sum of their squares, stacked flat.
+
+    With a shift every replica shares (the moving mean), the replicas' groups pool
+    exactly by summing, in one all-reduce; the shift keeps the squares small once
+    the moving mean is near the data's."""
+    deviation = mean - shift
+    return tf.concat([count, count * deviation, m2 + count * tf.square(deviation)], axis=0)
+
+
+def from_shifted_sums(sums, shift):
+    """The pooled (count, mean, biased variance) of summed `shifted_sums`."""
+    count, deviation, square = tf.split(sums, 3)
+    mean_deviation = tf.math.divide_no_nan(deviation, count)
+    variance = tf.math.divide_no_nan(square, count) - tf.square(mean_deviation)
+    return count, shift + mean_deviation, tf.maximum(variance, 0.0)
 
 
 def _check_options(config: dict, name: str) -> None:
@@ -70,7 +87,15 @@ class BatchNormalization(keras.layers.BatchNormalization):
 
     where the window variance is the biased variance of the concatenated window (as
     Keras records for one batch). A micro-batch skipped for a non-finite gradient is
-    left out; a dropped partial window is forgotten. The pending window is layer state
+    left out; a dropped partial window is forgotten.
+
+    Under a strategy with several replicas each replica pools its own shares; at the
+    update the replicas' windows are pooled in the accumulator's one reduction (as
+    sums of deviations from the moving mean, which every replica shares), so the
+    moving statistics move once, from the global window's statistics. With
+    `synchronized=True` each micro-batch is normalized with the statistics of all
+    replicas' shares (one all-reduce per micro-batch and layer, as Keras's
+    synchronized layer needs too). The pending window is layer state
     (`window_count`, `window_mean`, `window_m2`, per channel), saved by `wrap`'s model
     with its accumulation state and by `tf.train.Checkpoint`; the layer's own weight
     entries are Keras's (gamma, beta, moving statistics), so weight files move
@@ -81,8 +106,8 @@ class BatchNormalization(keras.layers.BatchNormalization):
     created with `layers=` drives it from then on.
 
     Raises:
-        ValueError: on `renorm=True` or `synchronized=True`, which cannot be honoured
-            with per-window statistics.
+        ValueError: on `renorm=True`, which cannot be honoured with per-window
+            statistics.
 
     Example:
 
@@ -112,14 +137,8 @@ class BatchNormalization(keras.layers.BatchNormalization):
         channels = (input_shape[self.axis],)
 
         def state(name, shape):
-            return self.add_weight(
-                shape=shape,
-                name=name,
-                initializer="zeros",
-                trainable=False,
-                autocast=False,
-                dtype="float32",
-            )
+            # Replica-local under a strategy: each replica pools its own shares.
+            return kc.add_replica_local_weight(self, name, shape)
 
         # The micro-batch being computed (one or more forward passes), and the
         # accepted micro-batches of the open window. Counts are per channel: a mask
@@ -140,7 +159,11 @@ class BatchNormalization(keras.layers.BatchNormalization):
         # Statistics in float32 (float64 for float64 inputs), as Keras's layer.
         inputs = tf.cast(inputs, tf.float64 if inputs.dtype == tf.float64 else tf.float32)
         mean, variance = kc.batch_norm_moments(self, inputs, mask)
-        self._record(self._count(inputs, mask), mean, variance)
+        count = self._count(inputs, mask)
+        if self.synchronized:
+            count, mean, variance = self._across_replicas(count, mean, variance)
+            mean, variance = tf.cast(mean, inputs.dtype), tf.cast(variance, inputs.dtype)
+        self._record(count, mean, variance)
         gamma = tf.cast(self.gamma, inputs.dtype) if self.scale else None
         beta = tf.cast(self.beta, inputs.dtype) if self.center else None
         outputs = keras.ops.batch_normalization(
@@ -161,6 +184,20 @@ class BatchNormalization(keras.layers.BatchNormalization):
         weights = tf.broadcast_to(tf.expand_dims(tf.cast(mask, tf.float32), -1),
                                   tf.shape(inputs))
         return tf.reduce_sum(weights, axis=kc.batch_norm_reduction_axes(self))
+
+    def _across_replicas(self, count, mean, variance):
+        """synchronized=True: the micro-batch's statistics over every replica's
+        share, in one all-reduce of shifted sums (the replica's own on one)."""
+        context = tf.distribute.get_replica_context()
+        if context is None or context.num_replicas_in_sync == 1:
+            return count, mean, variance
+        shift = tf.cast(self.moving_mean, tf.float32)
+        mean = tf.cast(tf.reshape(mean, [-1]), tf.float32)
+        m2 = tf.cast(tf.reshape(variance, [-1]), tf.float32) * count
+        summed = context.all_reduce(
+            tf.distribute.ReduceOp.SUM, shifted_sums(count, mean, m2, shift)
+        )
+        return from_shifted_sums(summed, shift)
 
     def _record(self, count, mean, variance):
         mean = tf.cast(tf.reshape(mean, [-1]), tf.float32)
@@ -223,11 +260,27 @@ class BatchNormalization(keras.layers.BatchNormalization):
             variable.assign(store[f"{i}"])
         self._reset_window()
 
+    def _window_sums(self):
+        """This replica's window as `shifted_sums` around the moving mean (the same
+        on every replica): what the update's reduction sums."""
+        count, mean, m2 = (v.value for v in self._window())
+        return shifted_sums(count, mean, m2, tf.cast(self.moving_mean, tf.float32))
+
+    def _window_sums_size(self) -> int:
+        return 3 * int(self.moving_mean.shape[0])
+
+    def _commit_pooled(self, sums):
+        """The update under a strategy: the replicas' `_window_sums`, summed, move
+        the moving statistics once; then reset."""
+        count, mean, variance = from_shifted_sums(sums, tf.cast(self.moving_mean, tf.float32))
+        self._move(count > 0, mean, variance)
+
     def _commit_window(self):
         """The optimizer updated: move the moving statistics once, then reset."""
         count, mean, m2 = (v.value for v in self._window())
-        recorded = count > 0
-        variance = tf.math.divide_no_nan(m2, count)
+        self._move(count > 0, mean, tf.math.divide_no_nan(m2, count))
+
+    def _move(self, recorded, mean, variance):
         momentum = tf.constant(self.momentum, tf.float32)
         for moving, window in ((self.moving_mean, mean), (self.moving_variance, variance)):
             current = tf.cast(moving.value, tf.float32)
@@ -296,7 +349,7 @@ def convert_batch_normalization(model):
 
     Raises:
         ValueError: for a subclassed model, a BatchNormalization layer with an
-            option gradaccum cannot honour (`renorm`, `synchronized`), or one inside
+            option gradaccum cannot honour (`renorm`), or one inside
             a wrapper or custom layer, which cloning cannot reach.
 
     Example:

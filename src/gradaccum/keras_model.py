@@ -15,7 +15,7 @@ import warnings
 import keras
 
 from gradaccum import _keras_compat as kc
-from gradaccum._distributed import check_loss_scaling_replicas, distribution_of
+from gradaccum._distributed import distribution_of
 from gradaccum._fit import PARTIALS, Accumulation, Options  # noqa: F401 (PARTIALS re-exported)
 from gradaccum._validation import check_optimizer
 from gradaccum.batch_norm import convert_batch_normalization
@@ -134,9 +134,6 @@ class AccumulatingModel(keras.Model):
             loss = record_normalizers(loss, self._accumulation.normalizers)
         super().compile(optimizer, loss, *args, steps_per_execution=steps_per_execution,
                         **kwargs)
-        # Keras wraps the optimizer in a LossScaleOptimizer under mixed_float16.
-        if kc.is_loss_scale_optimizer(self.optimizer):
-            check_loss_scaling_replicas(self.distribute_strategy)
         self._accumulation.forget()
 
     def compile_from_config(self, config):
@@ -188,7 +185,8 @@ class AccumulatingModel(keras.Model):
 
     def evaluate(self, *args, **kwargs):
         self._accumulation.before_evaluate(kwargs)
-        return super().evaluate(*args, **kwargs)
+        with kc.across_workers(self):
+            return super().evaluate(*args, **kwargs)
 
     def train_step(self, data):
         return self._accumulation.train_step(data)

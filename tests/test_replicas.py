@@ -1,0 +1,307 @@
+"""Several replicas with everything on: loss scaling and batch normalization.
+
+MirroredStrategy over the two logical CPU devices of the root conftest. Each test
+states what one device computes on the global windows and asserts that the replicas
+compute it, with one cross-replica reduction per update.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import gradaccum
+from test_distribute import DOORS, mirrored, state_of, trainer_of
+from test_keras_model import SCE, data, mlp, plan_windows, reference_fit
+
+
+@pytest.fixture
+def mixed_float16():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def per_replica(strategy, variable):
+    """Each replica's copy of a (mirrored) variable, as numbers."""
+    inner = variable.value if isinstance(variable, keras.Variable) else variable
+    return [float(v.numpy()) for v in strategy.experimental_local_results(inner)]
+
+
+# Loss scaling ----------------------------------------------------------------------
+
+# float16 compute rounds each replica's gradient of its 4-row share, where one device
+# rounds the gradient of the whole window: the sums differ by float16 rounding (2**-11
+# relative to a gradient's largest entries, so absolute for its small ones), hence
+# rtol 1e-3 and atol 5e-4 rather than the float32 tests' 1e-5. The same runs without
+# an overflow sit at that distance too (max gap 6e-5 to 1e-4 after 4 updates); the
+# float32 loss-scaling test below checks the same logic exactly.
+FLOAT16_RTOL, FLOAT16_ATOL = 1e-3, 5e-4
+
+
+@pytest.mark.parametrize("door", DOORS)
+def test_mixed_float16_on_two_replicas_equals_one_device(door, mixed_float16):
+    x, y = data(50)
+    windows, _ = plan_windows(50, 8, 3, epochs=2)  # 7 micro-batches: 3 + 3 + 1 (of 2)
+    ref = mlp()
+    ref.compile(keras.optimizers.Adam(0.02), SCE)
+    reference_fit(ref, windows, x, y)
+
+    ops = gradaccum.CountingCrossDeviceOps()
+    strategy = mirrored(ops)
+    with strategy.scope():
+        model = mlp()
+        trainer = trainer_of(door, model, steps=3)
+        trainer.compile(keras.optimizers.Adam(0.02), SCE)
+    assert isinstance(trainer.optimizer, keras.optimizers.LossScaleOptimizer)
+    history = trainer.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert history.history["updates"] == [3.0, 6.0]
+    assert history.history["skipped"] == [0.0, 0.0]
+    assert int(ops.reductions) == 6  # one per update
+    for a, b in zip(model.get_weights(), ref.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=FLOAT16_RTOL, atol=FLOAT16_ATOL)
+    inner = trainer.optimizer.inner_optimizer
+    for a, b in zip(inner.variables, ref.optimizer.inner_optimizer.variables):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-2, atol=1e-4)
+    # No overflow: the 14 micro-batches count as 14 finite steps on both replicas.
+    assert per_replica(strategy, trainer.optimizer.dynamic_scale) == [32768.0] * 2
+    assert per_replica(strategy, trainer.optimizer.step_counter) == [14.0] * 2
+
+
+@pytest.mark.parametrize("door", DOORS)
+def test_an_overflowing_replica_share_is_dropped_and_both_replicas_back_off(
+    door, mixed_float16
+):
+    """Row 9 overflows float16 (1e6 > 65504): replica 0's share of the second
+    micro-batch (rows 8-11) is dropped with its weight, replica 1's share (rows
+    12-15) is kept, and the loss scale halves on both replicas at the update."""
+    x, y = data(48)
+    bad = x.copy()
+    bad[9, 0] = 1e6
+    windows, _ = plan_windows(48, 8, 3, epochs=2)  # [0-23], [24-47], twice
+    kept = [np.setdiff1d(w, np.arange(8, 12)) for w in windows]
+    ref = mlp()
+    ref.compile(keras.optimizers.Adam(0.02), SCE)
+    reference_fit(ref, kept, x, y)
+
+    ops = gradaccum.CountingCrossDeviceOps()
+    strategy = mirrored(ops)
+    with strategy.scope():
+        model = mlp()
+        trainer = trainer_of(door, model, steps=3)
+        trainer.compile(keras.optimizers.Adam(0.02), SCE)
+    history = trainer.fit(bad, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert history.history["updates"] == [2.0, 4.0]
+    assert history.history["skipped"] == [1.0, 2.0]
+    assert int(ops.reductions) == 4
+    for a, b in zip(model.get_weights(), ref.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=FLOAT16_RTOL, atol=FLOAT16_ATOL)
+    # Each epoch: the first window overflowed (back off: halve, count from 0), the
+    # second counted its 3 micro-batches. 32768 / 2 / 2 = 8192, on both replicas.
+    assert per_replica(strategy, trainer.optimizer.dynamic_scale) == [8192.0] * 2
+    assert per_replica(strategy, trainer.optimizer.step_counter) == [3.0] * 2
+    acc = state_of(door, trainer).accumulators()[0]
+    assert int(acc.skipped.numpy()) == 2 and int(acc.micro_step.numpy()) == 0
+
+
+def test_loss_scaling_in_float32_drops_a_replica_share_exactly():
+    """A LossScaleOptimizer under the float32 policy: the same screening and scale
+    reactions, without float16 rounding, so the replicas equal one device at 1e-5."""
+    x, y = data(48)
+    bad = x.copy()
+    bad[13, 2] = np.inf  # replica 1's share (rows 12-15) of the second micro-batch
+    windows, _ = plan_windows(48, 8, 3, epochs=2)
+    kept = [np.setdiff1d(w, np.arange(12, 16)) for w in windows]
+    ref = mlp()
+    ref.compile(keras.optimizers.Adam(0.02), SCE)
+    reference_fit(ref, kept, x, y)
+    strategy = mirrored()
+    with strategy.scope():
+        model = mlp()
+        trainer = gradaccum.accumulate(model, steps=3)
+        trainer.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.02)), SCE)
+    history = trainer.fit(bad, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert history.history["skipped"] == [1.0, 2.0]
+    for a, b in zip(model.get_weights(), ref.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(trainer.optimizer.inner_optimizer.variables, ref.optimizer.variables):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert per_replica(strategy, trainer.optimizer.dynamic_scale) == [8192.0] * 2
+
+
+def test_a_window_whose_every_share_overflowed_closes_without_an_update(mixed_float16):
+    x, y = data(16)
+    bad = x.copy()
+    bad[[1, 5, 9, 13], 0] = 1e6  # every share of both micro-batches
+    strategy = mirrored()
+    with strategy.scope():
+        model = mlp()
+        before = model.get_weights()
+        trainer = gradaccum.accumulate(model, steps=2)
+        trainer.compile(keras.optimizers.Adam(0.02), SCE)
+    history = trainer.fit(bad, y, batch_size=8, shuffle=False, verbose=0)
+    assert history.history["updates"] == [0.0]
+    assert history.history["skipped"] == [4.0]
+    for a, b in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(a, b)
+    assert per_replica(strategy, trainer.optimizer.dynamic_scale) == [16384.0] * 2
+    acc = accumulation_state(trainer)
+    assert int(acc.micro_step.numpy()) == 0 and int(acc.state.window_skipped.numpy()) == 0
+
+
+def test_the_loss_scale_grows_once_its_growth_steps_are_counted(mixed_float16):
+    """dynamic_growth_steps=4, windows of 3: the scale doubles at the update where
+    the count of finite micro-batches reaches 4 (3 -> 6: doubled, 2 left)."""
+    x, y = data(48)
+    strategy = mirrored()
+    with strategy.scope():
+        model = mlp()
+        trainer = gradaccum.accumulate(model, steps=3)
+        trainer.compile(
+            keras.optimizers.LossScaleOptimizer(
+                keras.optimizers.SGD(0.1), initial_scale=256.0, dynamic_growth_steps=4
+            ),
+            SCE,
+        )
+    trainer.fit(x[:24], y[:24], batch_size=8, shuffle=False, verbose=0)
+    assert per_replica(strategy, trainer.optimizer.dynamic_scale) == [256.0] * 2
+    assert per_replica(strategy, trainer.optimizer.step_counter) == [3.0] * 2
+    trainer.fit(x[24:], y[24:], batch_size=8, shuffle=False, verbose=0)
+    assert per_replica(strategy, trainer.optimizer.dynamic_scale) == [512.0] * 2
+    assert per_replica(strategy, trainer.optimizer.step_counter) == [2.0] * 2
+
+
+def accumulation_state(model):
+    from gradaccum.attach import accumulation_of
+
+    return accumulation_of(model).state.accumulator
+
+
+# Batch normalization ---------------------------------------------------------------
+
+
+def shifted_data(n, seed=3):
+    """Rows whose mean moves with their index: every share of every micro-batch has
+    a mean of its own."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 4)).astype("float32")
+    x += np.linspace(-3.0, 5.0, n, dtype="float32")[:, None] * np.array(
+        [1.0, -0.5, 2.0, 0.3], "float32"
+    )
+    return x, rng.integers(0, 3, size=n)
+
+
+def bn_model(synchronized=False, momentum=0.9):
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [
+            keras.Input((4,)),
+            gradaccum.BatchNormalization(momentum=momentum, synchronized=synchronized),
+            keras.layers.Dense(3),
+        ]
+    )
+
+
+def keras_moving_statistics(windows, x, momentum=0.9):
+    """A Keras BatchNormalization fed each global window as one batch."""
+    layer = keras.layers.BatchNormalization(momentum=momentum)
+    layer.build((None, 4))
+    for w in windows:
+        layer(x[w], training=True)
+    return layer.moving_mean.numpy(), layer.moving_variance.numpy()
+
+
+@pytest.mark.parametrize("door", DOORS)
+def test_moving_statistics_of_two_replicas_equal_keras_on_the_global_window(door):
+    x, y = shifted_data(48)  # micro-batches of 16: 8 rows per replica, 3 per window
+    strategy = mirrored()
+    with strategy.scope():
+        model = bn_model()
+        trainer = trainer_of(door, model, steps=3)
+        trainer.compile(keras.optimizers.SGD(0.1), SCE)
+    trainer.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    mean, variance = keras_moving_statistics([np.arange(48)], x)
+    bn = model.layers[0]
+    np.testing.assert_allclose(bn.moving_mean.numpy(), mean, rtol=1e-5)
+    np.testing.assert_allclose(bn.moving_variance.numpy(), variance, rtol=1e-5)
+    assert float(bn.window_count.numpy().max()) == 0.0  # nothing pending
+
+
+@pytest.mark.parametrize("door", DOORS)
+def test_moving_statistics_with_partial_windows_over_epochs(door):
+    x, y = shifted_data(56)  # 16, 16, 16, 8: windows of 3, then a partial 1 (flush)
+    windows, _ = plan_windows(56, 16, 3, epochs=2)
+    ops = gradaccum.CountingCrossDeviceOps()
+    strategy = mirrored(ops)
+    with strategy.scope():
+        model = bn_model()
+        trainer = trainer_of(door, model, steps=3)
+        trainer.compile(keras.optimizers.SGD(0.1), SCE)
+    trainer.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert int(ops.reductions) == len(windows) == 4
+    mean, variance = keras_moving_statistics(windows, x)
+    bn = model.layers[0]
+    np.testing.assert_allclose(bn.moving_mean.numpy(), mean, rtol=1e-5)
+    np.testing.assert_allclose(bn.moving_variance.numpy(), variance, rtol=1e-5)
+
+
+def test_custom_loop_pools_the_replicas_windows_and_flushes_from_cross_replica_context():
+    """GradientAccumulator(layers=model) in a custom loop; the last, partial window
+    is applied with `acc.apply` outside `strategy.run`."""
+    x, y = shifted_data(40)  # global micro-batches of 16, 16, 8
+    strategy = mirrored()
+    with strategy.scope():
+        model = bn_model()
+        optimizer = keras.optimizers.SGD(0.1)
+        optimizer.build(model.trainable_variables)
+        acc = gradaccum.GradientAccumulator(model.trainable_variables, steps=2, layers=model)
+
+    def replica_step(xb, yb):
+        with tf.GradientTape() as tape:
+            logits = model(xb, training=True)
+            loss = tf.reduce_mean(SCE(yb, logits))
+        return acc.step(optimizer, tape.gradient(loss, model.trainable_variables),
+                        tf.shape(xb)[0])
+
+    @tf.function
+    def step(xb, yb):
+        strategy.run(replica_step, args=(xb, yb))
+
+    for xb, yb in strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    ):
+        step(xb, yb)
+    with strategy.scope():
+        assert bool(acc.apply(optimizer))
+    mean, variance = keras_moving_statistics([np.arange(32), np.arange(32, 40)], x)
+    bn = model.layers[0]
+    np.testing.assert_allclose(bn.moving_mean.numpy(), mean, rtol=1e-5)
+    np.testing.assert_allclose(bn.moving_variance.numpy(), variance, rtol=1e-5)
+
+
+def test_synchronized_replicas_equal_one_device_on_the_global_micro_batches():
+    """synchronized=True: each replica normalizes its share with the statistics of
+    the whole global micro-batch, so two replicas train as one device whose
+    micro-batches are the global ones (there each micro-batch is normalized with its
+    own statistics); the moving statistics equal Keras's on the global windows."""
+    x, y = shifted_data(48)
+    one = bn_model()
+    one_trainer = gradaccum.accumulate(one, steps=3)
+    one_trainer.compile(keras.optimizers.Adam(0.05), SCE)
+    one_trainer.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+
+    strategy = mirrored()
+    with strategy.scope():
+        model = bn_model(synchronized=True)
+        trainer = gradaccum.accumulate(model, steps=3)
+        trainer.compile(keras.optimizers.Adam(0.05), SCE)
+    trainer.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(model.get_weights(), one.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    windows, _ = plan_windows(48, 16, 3, epochs=2)
+    mean, variance = keras_moving_statistics(windows, x)
+    bn = model.layers[0]
+    np.testing.assert_allclose(bn.moving_mean.numpy(), mean, rtol=1e-5)
+    np.testing.assert_allclose(bn.moving_variance.numpy(), variance, rtol=1e-5)
