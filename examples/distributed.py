@@ -4,11 +4,11 @@
     TF_CONFIG='...' python examples/distributed.py  # one worker of a multi-worker job
 
 On one machine the replicas are its GPUs, or two logical CPU devices when it has
-fewer than two GPUs, and training goes through `fit()`. With TF_CONFIG set (see
-docs/distribution.md) the script is one worker of a MultiWorkerMirroredStrategy job
-and trains with a custom loop: every worker runs the same command with its own
-`task.index`. Each replica accumulates its share of every micro-batch locally;
-replicas communicate once per update, not once per micro-batch.
+fewer than two GPUs. With TF_CONFIG set (see docs/distribution.md) the script is one
+worker of a MultiWorkerMirroredStrategy job: every worker runs the same command with
+its own `task.index`. Either way it trains with `fit()`, then with a custom loop.
+Each replica accumulates its share of every micro-batch locally; replicas
+communicate once per update, not once per micro-batch.
 """
 
 from __future__ import annotations
@@ -115,6 +115,5 @@ if __name__ == "__main__":
     print(f"{type(strategy).__name__}: {strategy.num_replicas_in_sync} replicas")
     if os.environ.get("TF_CONFIG"):
         print("task:", json.loads(os.environ["TF_CONFIG"])["task"])
-        train_with_a_custom_loop(strategy)
-    else:
-        train_with_fit(strategy)
+    train_with_fit(strategy)
+    train_with_a_custom_loop(strategy)
