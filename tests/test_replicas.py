@@ -106,6 +106,47 @@ def test_an_overflowing_replica_share_is_dropped_and_both_replicas_back_off(
     assert int(acc.skipped.numpy()) == 2 and int(acc.micro_step.numpy()) == 0
 
 
+class ScaledOwnStep(keras.Model):
+    """A model with its own train_step that scales its loss, as Keras asks of a
+    custom step under mixed_float16."""
+
+    def __init__(self, source):
+        super().__init__()
+        self.net = source
+
+    def call(self, x):
+        return self.net(x)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x, y, self(x, training=True))
+            scaled = self.optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return {"loss": loss}
+
+
+def test_own_train_step_under_mixed_float16_on_two_replicas_equals_one_device(
+    mixed_float16,
+):
+    x, y = data(50)
+    windows, _ = plan_windows(50, 8, 3, epochs=2)
+    ref = mlp()
+    ref.compile(keras.optimizers.Adam(0.02), SCE)
+    reference_fit(ref, windows, x, y)
+    strategy = mirrored()
+    with strategy.scope():
+        inner = mlp()
+        model = gradaccum.accumulate(ScaledOwnStep(inner), steps=3)
+        model.compile(keras.optimizers.Adam(0.02), SCE)
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert history.history["updates"] == [3.0, 6.0]
+    for a, b in zip(inner.get_weights(), ref.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=FLOAT16_RTOL, atol=FLOAT16_ATOL)
+    assert per_replica(strategy, model.optimizer.step_counter) == [14.0] * 2
+
+
 def test_loss_scaling_in_float32_drops_a_replica_share_exactly():
     """A LossScaleOptimizer under the float32 policy: the same screening and scale
     reactions, without float16 rounding, so the replicas equal one device at 1e-5."""
