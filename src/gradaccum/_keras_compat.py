@@ -290,6 +290,10 @@ def multi_worker(strategy) -> bool:
     ) and strategy.extended._in_multi_worker_mode()
 
 
+# The key under which a step's scalar logs travel packed under several workers.
+PACKED_LOGS = "gradaccum_packed_logs"
+
+
 @contextlib.contextmanager
 def across_workers(model):
     """Within the block (a `fit` or `evaluate`), Keras 3.15's trainer runs under a
@@ -304,12 +308,17 @@ def across_workers(model):
       needs shapes and dtypes only: it is given this worker's first replica's batch.
     - `reduce_per_replica` reduces each log with `strategy.reduce("MEAN", v,
       axis=0)`, which fails on the scalar logs every step returns ("Invalid
-      reduction dimension 0 for input with 0 dimensions"). The steps' scalar logs
-      are given shape [1]: the mean over axis 0 across replicas is then a scalar
-      again, the replicas' mean as under MirroredStrategy.
+      reduction dimension 0 for input with 0 dimensions"), and would make one
+      all-reduce per log and step. The step's scalar logs are packed into one
+      [1, n] tensor, which Keras averages across replicas in one all-reduce, and
+      the train (test) function unpacks them: the replicas' mean, as under
+      MirroredStrategy.
+
+    Re-entrant (validation inside `fit` calls `evaluate`); the functions made inside
+    keep unpacking after the block.
     """
     strategy = model.distribute_strategy
-    if not multi_worker(strategy):
+    if not multi_worker(strategy) or model.__dict__.get("_gradaccum_across_workers"):
         yield
         return
 
@@ -325,18 +334,64 @@ def across_workers(model):
         with strategy.scope():
             model._symbolic_build(data_batch=data_batch)
 
-    def lifted(step):
-        def run(data):
-            return tf.nest.map_structure(
-                lambda t: tf.reshape(t, [1]) if tf.is_tensor(t) and t.shape.rank == 0 else t,
-                step(data),
-            )
+    overrides = {"_maybe_symbolic_build": symbolic_build}
+    for kind in ("train", "test"):
+        structure = []  # the logs' structure, learnt when the step is traced
+        step = getattr(model, f"{kind}_step")
+        make = getattr(model, f"make_{kind}_function")
+        overrides[f"{kind}_step"] = _packing_logs(step, structure)
+        overrides[f"make_{kind}_function"] = _unpacking_logs(model, kind, make, structure)
+    model.__dict__["_gradaccum_across_workers"] = True
+    try:
+        with _overriding(model, **overrides):
+            yield
+    finally:
+        del model.__dict__["_gradaccum_across_workers"]
 
+
+def _packing_logs(step, structure):
+    def packed(data):
+        logs = step(data)
+        leaves = tf.nest.flatten(logs)
+        if isinstance(logs, dict) and leaves and all(
+            tf.is_tensor(t) and t.shape.rank == 0 for t in leaves
+        ):
+            structure[:] = [logs]
+            values = tf.stack([tf.cast(t, tf.float32) for t in leaves])
+            return {PACKED_LOGS: tf.reshape(values, [1, -1])}
+        # Anything else: scalars get the axis Keras reduces over.
+        return tf.nest.map_structure(
+            lambda t: tf.reshape(t, [1]) if tf.is_tensor(t) and t.shape.rank == 0 else t,
+            logs,
+        )
+
+    return packed
+
+
+def _unpacking_logs(model, kind, make, structure):
+    name = f"{kind}_function"
+
+    def unpacking(function):
+        if getattr(function, "gradaccum_unpacks", False):
+            return function
+
+        def run(iterator):
+            logs = function(iterator)
+            if isinstance(logs, dict) and PACKED_LOGS in logs and structure:
+                values = tf.unstack(tf.reshape(logs[PACKED_LOGS], [-1]))
+                return tf.nest.pack_sequence_as(structure[0], values)
+            return logs
+
+        run.gradaccum_unpacks = True
         return run
 
-    with _overriding(model, _maybe_symbolic_build=symbolic_build,
-                     train_step=lifted(model.train_step), test_step=lifted(model.test_step)):
-        yield
+    def make_function(force=False):
+        make(force=force)
+        function = unpacking(getattr(model, name))
+        setattr(model, name, function)
+        return function
+
+    return make_function
 
 
 def apply_gradients(optimizer, pairs) -> None:
