@@ -30,6 +30,36 @@ def per_replica(strategy, variable):
     return [float(v.numpy()) for v in strategy.experimental_local_results(inner)]
 
 
+# Reduction "sum" ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "door, own_step", [("wrap", False), ("accumulate", False), ("accumulate", True)]
+)
+def test_reduction_sum_on_two_replicas_equals_one_device(door, own_step):
+    """G = the sum of the micro-batches' gradients: the replicas' gradients of
+    Keras's loss (divided by the replica count) summed, as Keras's optimizer does."""
+    from test_distribute import OwnStepMLP
+
+    x, y = data(48)
+
+    def model_of(inner):
+        return OwnStepMLP(inner) if own_step else inner
+
+    one_inner = mlp()
+    one = trainer_of(door, model_of(one_inner), steps=3, reduction="sum")
+    one.compile(keras.optimizers.SGD(0.1), SCE)
+    one.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    strategy = mirrored()
+    with strategy.scope():
+        inner = mlp()
+        trainer = trainer_of(door, model_of(inner), steps=3, reduction="sum")
+        trainer.compile(keras.optimizers.SGD(0.1), SCE)
+    trainer.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(inner.get_weights(), one_inner.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 # Loss scaling ----------------------------------------------------------------------
 
 # float16 compute rounds each replica's gradient of its 4-row share, where one device

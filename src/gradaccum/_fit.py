@@ -620,10 +620,12 @@ class Accumulation:
         # With reduction "mean", differentiate w_i * L_i: the weight is applied once
         # to the loss rather than to every gradient. Under tf.distribute, L_i is the
         # replica's own loss (Keras divides it by the replica count: undone here),
-        # so that the reduced sums give the global window's gradient exactly. Under
-        # loss scaling the weight is applied with the unscaling instead, so that the
-        # scaled loss is what Keras would scale (no extra overflows).
-        weigh_loss = self.options.reduction == "mean" and not (single or loss_scaled)
+        # so that the reduced sums give the global window's gradient exactly; with
+        # reduction "sum" the replicas' gradients are summed, as Keras's optimizer
+        # does. Under loss scaling the weight is applied with the unscaling instead,
+        # so that the scaled loss is what Keras would scale (no extra overflows).
+        mean = self.options.reduction == "mean"
+        weigh_loss = mean and not (single or loss_scaled)
         with tf.GradientTape() as tape, batch_norm.driving(acc.batch_normalization_layers):
             if kc.call_has_training_arg(host):
                 y_pred = host(x, training=True)
@@ -631,7 +633,7 @@ class Accumulation:
                 y_pred = host(x)
             loss = kc.compute_loss(host, x, y, y_pred, sample_weight)
             weight = tf.stop_gradient(self.micro_batch_weight(x, y, sample_weight, True))
-            objective = kc.unscale_loss_for_distribution(loss)
+            objective = kc.unscale_loss_for_distribution(loss) if mean else loss
             if weigh_loss:
                 objective = objective * tf.cast(weight, loss.dtype)
             # Loss scaling (a LossScaleOptimizer's dynamic scale, or an optimizer's
@@ -779,10 +781,11 @@ class Accumulation:
         x, y, sample_weight = local.micro_batch
         weight = self.micro_batch_weight(x, y, sample_weight, False)
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        if replicas > 1:
+        if replicas > 1 and self.options.reduction == "mean":
             # Keras's losses divide a replica's loss by the replica count (its
             # optimizer then sums the replicas): undone, so that the weighted
-            # window is the global window's gradient.
+            # window is the global window's gradient. Reduction "sum" sums the
+            # replicas' gradients as Keras's optimizer does: kept.
             grads = [_scaled(g, replicas) for g in grads]
         if kc.is_loss_scale_optimizer(optimizer):
             acc.accumulate(grads, weight, loss_scale_optimizer=optimizer)
