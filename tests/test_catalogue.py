@@ -134,6 +134,19 @@ def bn_model(**options):
     )
 
 
+def split_with_synchronized_batch_norm_on_two_replicas():
+    strategy = two_replicas()
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((4,)),
+            gradaccum.BatchNormalization(synchronized=True, name="bn"),
+            keras.layers.Dense(3),
+        ])
+        model = gradaccum.accumulate(model, micro_batch_size=8)
+        model.compile(keras.optimizers.SGD(0.1), SCE)
+    model.fit(np.ones((16, 4), "float32"), np.zeros(16), batch_size=16, verbose=0)
+
+
 def load_four_into_six(tmp_path):
     plain = keras.Sequential([keras.Input((3,)), gradaccum.BatchNormalization(name="bn")])
     layer = plain.layers[0]
@@ -141,6 +154,7 @@ def load_four_into_six(tmp_path):
 
 
 CASES = {
+    "fit-split-synchronized-replicas": split_with_synchronized_batch_norm_on_two_replicas,
     # GradientAccumulator(...)
     "accumulator-variables-empty": lambda: gradaccum.GradientAccumulator([]),
     "accumulator-variables-element": lambda: gradaccum.GradientAccumulator([1.0]),

@@ -384,3 +384,123 @@ def test_synchronized_replicas_equal_one_device_on_the_global_micro_batches(hidd
         bn = model.layers[0]
         np.testing.assert_allclose(bn.moving_mean.numpy(), mean, rtol=1e-5)
         np.testing.assert_allclose(bn.moving_variance.numpy(), variance, rtol=1e-5)
+
+
+@pytest.mark.parametrize("synchronized", [False, True])
+def test_an_empty_replica_share_leaves_the_statistics_finite(synchronized):
+    """49 rows in batches of 16: the last batch (1 row) splits 1 / 0. The empty
+    share has no moments; it must not poison the gradient, the skip count, or
+    (synchronized) the other replica's statistics."""
+    x, y = shifted_data(49)
+    windows, _ = plan_windows(49, 16, 3, epochs=2)  # [0-47], [48], twice
+    one = bn_model()
+    one_trainer = gradaccum.accumulate(one, steps=3)
+    one_trainer.compile(keras.optimizers.SGD(0.1), SCE)
+    one_trainer.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    strategy = mirrored()
+    with strategy.scope():
+        model = bn_model(synchronized=synchronized)
+        trainer = gradaccum.accumulate(model, steps=3)
+        trainer.compile(keras.optimizers.SGD(0.1), SCE)
+    history = trainer.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert history.history["skipped"] == [0.0, 0.0]
+    assert history.history["updates"] == [2.0, 4.0]
+    assert np.all(np.isfinite(history.history["loss"]))
+    mean, variance = keras_moving_statistics(windows, x)
+    bn = model.layers[0]
+    np.testing.assert_allclose(bn.moving_mean.numpy(), mean, rtol=1e-5)
+    np.testing.assert_allclose(bn.moving_variance.numpy(), variance, rtol=1e-5)
+    if synchronized:  # two replicas = one device on the global micro-batches
+        for a, b in zip(model.get_weights(), one.get_weights()):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("offset", [500.0])
+def test_window_statistics_pool_exactly_far_from_zero(offset):
+    """Inputs of mean 500 and std 0.5: pooling raw float32 moments (or deviations
+    from the moving mean, 0 here) would be 12% off the variance; the replicas'
+    windows pool as Keras's layer sees the global window (momentum 0: the moving
+    statistics are the window's). rtol 1e-4: each micro-batch's float32 mean carries
+    the rounding of its sum (ulp(8 x 500) / 8), which the spread between means
+    inherits."""
+    rng = np.random.default_rng(7)
+    x = (offset + 0.5 * rng.normal(size=(48, 4))).astype("float32")
+    y = rng.integers(0, 3, size=48)
+    strategy = mirrored()
+    with strategy.scope():
+        model = bn_model(momentum=0.0)
+        trainer = gradaccum.accumulate(model, steps=3)
+        trainer.compile(keras.optimizers.SGD(0.0), SCE)
+    trainer.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    mean, variance = keras_moving_statistics([np.arange(48)], x, momentum=0.0)
+    bn = model.layers[0]
+    np.testing.assert_allclose(bn.moving_mean.numpy(), mean, rtol=1e-6)
+    np.testing.assert_allclose(bn.moving_variance.numpy(), variance, rtol=1e-4)
+
+
+@pytest.mark.parametrize("door", DOORS)
+@pytest.mark.parametrize("saved_on, restored_on", [(2, 1), (1, 2)])
+def test_a_pending_window_restores_exactly_on_another_replica_count(
+    door, saved_on, restored_on, tmp_path
+):
+    """Two micro-batches of a window of 3 are pending (partial="carry") when the
+    weights are saved; a model on another number of replicas loads them and trains
+    the third: the moving statistics are those of the 48-row window."""
+    import contextlib
+
+    x, y = shifted_data(48)
+    path = str(tmp_path / "pending.weights.h5")
+
+    def trained(replicas, rows, load=None, save=None):
+        scope = mirrored().scope() if replicas == 2 else contextlib.nullcontext()
+        with scope:
+            model = bn_model()
+            trainer = trainer_of(door, model, steps=3, partial="carry")
+            trainer.compile(keras.optimizers.SGD(0.1), SCE)
+        if load:
+            trainer.load_weights(load)
+        trainer.fit(x[rows], y[rows], batch_size=16, shuffle=False, verbose=0)
+        if save:
+            trainer.save_weights(save)
+        return model, trainer
+
+    trained(saved_on, slice(0, 32), save=path)
+    model, trainer = trained(restored_on, slice(32, 48), load=path)
+    assert int(trainer.optimizer.iterations.numpy()) == 1
+    mean, variance = keras_moving_statistics([np.arange(48)], x)
+    bn = model.layers[0]
+    np.testing.assert_allclose(bn.moving_mean.numpy(), mean, rtol=1e-5)
+    np.testing.assert_allclose(bn.moving_variance.numpy(), variance, rtol=1e-5)
+
+
+def test_a_custom_loop_applying_with_the_inner_optimizer_still_moves_the_scale():
+    """accumulate(..., loss_scale_optimizer=lso) then apply(lso.inner_optimizer):
+    the window's overflow still halves the scale, on both replicas."""
+    x, y = data(16)
+    bad = x.copy()
+    bad[2, 0] = np.inf  # replica 0's share of the first micro-batch
+    strategy = mirrored()
+    with strategy.scope():
+        model = mlp()
+        lso = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1),
+                                                  initial_scale=1024.0)
+        lso.build(model.trainable_variables)
+        acc = gradaccum.GradientAccumulator(model.trainable_variables)
+
+    def replica_step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(SCE(yb, model(xb, training=True)))
+            scaled = lso.scale_loss(loss)
+        grads = tape.gradient(scaled, model.trainable_variables)
+        acc.accumulate(grads, tf.shape(xb)[0], loss_scale_optimizer=lso)
+
+    step = tf.function(lambda xb, yb: strategy.run(replica_step, args=(xb, yb)))
+    for xb, yb in strategy.experimental_distribute_dataset(
+        tf.data.Dataset.from_tensor_slices((bad, y)).batch(8)
+    ):
+        step(xb, yb)
+    with strategy.scope():
+        assert bool(acc.apply(lso.inner_optimizer))
+    assert int(lso.inner_optimizer.iterations.numpy()) == 1
+    assert per_replica(strategy, lso.dynamic_scale) == [512.0] * 2
+    assert int(acc.skipped.numpy()) == 1

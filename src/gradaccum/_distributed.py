@@ -106,3 +106,23 @@ def reduce_window(strategy, values) -> list:
 def first_local(strategy, value):
     """A per-replica value that every replica holds alike, as one tensor."""
     return strategy.experimental_local_results(value)[0]
+
+
+def check_split_synchronization(strategy, layers, micro_batch_size) -> None:
+    """Refuses a synchronized BatchNormalization in split mode under several
+    replicas: its all-reduce would sit inside the loop over a batch's micro-batches,
+    where the replicas cannot meet (TensorFlow refuses a `merge_call` there)."""
+    if not several_replicas(strategy):
+        return
+    synchronized = [layer.name for layer in layers if getattr(layer, "synchronized", False)]
+    if synchronized:
+        names = ", ".join(repr(name) for name in synchronized)
+        raise ValueError(
+            "A BatchNormalization layer with `synchronized=True` cannot train in split "
+            "mode under several replicas: its all-reduce would run inside the loop over "
+            "a batch's micro-batches, where replicas cannot synchronize. Received: "
+            f"micro_batch_size={micro_batch_size!r} under {strategy_name(strategy)} with "
+            f"{strategy.num_replicas_in_sync} replicas and layer(s) {names} with "
+            "synchronized=True. Pass `steps=` (one micro-batch per training step) "
+            "instead, or use synchronized=False."
+        )

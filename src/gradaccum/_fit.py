@@ -29,7 +29,7 @@ import tensorflow as tf
 from gradaccum import _keras_compat as kc
 from gradaccum import _retry, _split, _window, batch_norm
 from gradaccum._combine import REDUCTIONS
-from gradaccum._distributed import COUNTED, distribution_of
+from gradaccum._distributed import COUNTED, check_split_synchronization, distribution_of
 from gradaccum._screening import check_nonfinite, compiled_raise_message
 from gradaccum._state import Untracked
 from gradaccum._validation import (
@@ -488,6 +488,11 @@ class Accumulation:
                 f"gradients of. Received: model {layers.name!r} with none."
             )
         terms = max(0, kc.count_compiled_losses(kc.compiled_loss(host)) - 1)
+        if self.options.split:
+            check_split_synchronization(
+                host.distribute_strategy, kc.flatten_layers(layers),
+                self.options.micro_batch_size,
+            )
         with host.distribute_strategy.scope():
             distribution_of(host.trainable_variables)
             if host.optimizer is not None and not host.optimizer.built:

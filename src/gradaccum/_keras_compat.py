@@ -128,14 +128,14 @@ def batch_norm_moments(layer, inputs, mask):
         return layer._moments(inputs, mask)
 
 
-def add_replica_local_weight(layer, name, shape):
-    """A float32 zeros state variable of `layer`, made as `add_weight` makes one,
+def add_replica_local_weight(layer, name, shape, dtype="float32"):
+    """A zeros state variable of `layer`, made as `add_weight` makes one,
     but replica-local under a strategy (synchronized on read, summed when read
     across replicas): each replica updates its own copy without communicating.
     `Layer.add_weight` takes no `synchronization`; `keras.Variable` does."""
     with keras.name_scope(layer.name, caller=layer):
         variable = keras.Variable(
-            initializer="zeros", shape=shape, dtype="float32", trainable=False,
+            initializer="zeros", shape=shape, dtype=dtype, trainable=False,
             autocast=False, aggregation="sum", synchronization="on_read", name=name,
         )
     layer._track_variable(variable)

@@ -16,7 +16,7 @@ require_tensorflow()
 
 import tensorflow as tf  # noqa: E402
 
-from gradaccum import _combine, _screening  # noqa: E402
+from gradaccum import _combine, _screening, batch_norm  # noqa: E402
 from gradaccum import _distributed as dist  # noqa: E402
 from gradaccum import _keras_compat as kc  # noqa: E402
 from gradaccum._combine import REDUCTIONS  # noqa: E402
@@ -143,6 +143,8 @@ class GradientAccumulator(tf.Module):
         self._accumulator_dtype = check_accumulator_dtype(accumulator_dtype)
         self._nonfinite = check_nonfinite(nonfinite)
         self._warned_skip = False
+        # The LossScaleOptimizer whose scale the accumulated gradients carried.
+        self._loss_scaling = Untracked(None)
         self._targets = Untracked(tuple(variables))
         strategy = dist.distribution_of(variables)
         batch_norms = batch_normalization_layers(layers)
@@ -219,7 +221,7 @@ class GradientAccumulator(tf.Module):
         `gradaccum.BatchNormalization` layer. What the fit integration saves."""
         named = self.state.named()
         for i, layer in enumerate(self.batch_normalization_layers):
-            for field in ("window_count", "window_mean", "window_m2"):
+            for field in ("window_count", "window_sum", "window_square"):
                 named[f"batch_norm_{i}_{field}"] = getattr(layer, field)
         return named
 
@@ -533,10 +535,7 @@ class GradientAccumulator(tf.Module):
 
         tf.cond(tf.reduce_all(received), apply_all, apply_received)
         for i, layer in enumerate(self.batch_normalization_layers):
-            if pooled is None:
-                layer._commit_window()
-            else:
-                layer._commit_pooled(pooled[i])
+            layer._commit_window(None if pooled is None else pooled[i])
         self.reset()
 
     # Distribution ----------------------------------------------------------------
@@ -568,13 +567,20 @@ class GradientAccumulator(tf.Module):
 
     def _replica_window(self):
         """What a replica adds to the window's reduction besides its sums: how many
-        of its shares were accumulated and skipped, then the shifted sums of each
-        driven batch normalization layer's window (see `BatchNormalization`)."""
+        of its shares were accumulated and skipped, and (with driven batch
+        normalization layers) each layer's window statistics in this replica's
+        slot."""
         state = self.state
         dtype = state.total_weight.dtype
-        counts = tf.cast(tf.stack([state.micro_step, state.window_skipped]), dtype)
-        sums = [tf.cast(layer._window_sums(), dtype) for layer in self.batch_normalization_layers]
-        return tf.concat([counts, *sums], axis=0)
+        window = [tf.cast(tf.stack([state.micro_step, state.window_skipped]), dtype)]
+        layers = self.batch_normalization_layers
+        if layers:
+            context = tf.distribute.get_replica_context()
+            replica, replicas = context.replica_id_in_sync_group, context.num_replicas_in_sync
+            window.append(tf.concat(
+                [layer._replica_slots(replica, replicas, dtype) for layer in layers], axis=0
+            ))
+        return window
 
     def _update_across_replicas_if(self, strategy, optimizer, due, window):
         return tf.cond(
@@ -585,18 +591,25 @@ class GradientAccumulator(tf.Module):
 
     def _update_across_replicas(self, strategy, optimizer, window):
         state = self.state
-        *sums, total_weight, received, window = dist.reduce_window(
-            strategy, [*state.accumulators, state.total_weight, state.received, window]
+        n = len(state.accumulators)
+        reduced = dist.reduce_window(
+            strategy, [*state.accumulators, state.total_weight, state.received, *window]
         )
-        accepted, skipped = window[0], window[1]
-        pooled, start = [], 2
-        for layer in self.batch_normalization_layers:
-            size = layer._window_sums_size()
-            pooled.append(tf.cast(window[start:start + size], tf.float32))
-            start += size
+        sums, (total_weight, received, counts) = reduced[:n], reduced[n:n + 3]
+        accepted, skipped = counts[0], counts[1]
+        pooled = None
+        if len(reduced) > n + 3:
+            # Each driven batch normalization layer's replicas' windows, pooled.
+            layers, replicas = self.batch_normalization_layers, strategy.num_replicas_in_sync
+            sizes = [layer._replica_slots_size(replicas) for layer in layers]
+            pooled = [
+                batch_norm.pool_replicas(gathered, replicas)
+                for gathered in tf.split(reduced[n + 3], sizes)
+            ]
+        loss_scaling = self._loss_scaling.value
         inner = optimizer
         if kc.is_loss_scale_optimizer(optimizer):
-            inner = optimizer.inner_optimizer
+            loss_scaling, inner = optimizer, optimizer.inner_optimizer
 
         def update():
             with kc.applying_across_replicas(inner, strategy):
@@ -614,9 +627,11 @@ class GradientAccumulator(tf.Module):
         # Every replica's skipped shares, in the one count every replica keeps.
         state.skipped.assign(state.skipped + tf.cast(skipped, tf.int64))
         applied = tf.cond(accepted > 0, update, close_empty)
-        if inner is not optimizer:
+        if loss_scaling is not None:
+            # The scale the window's shares were scaled with reacts once (also when
+            # the caller applies with the inner optimizer).
             with tf.control_dependencies([applied]):
-                _screening.settle_loss_scale(optimizer, skipped > 0, micro_batches)
+                _screening.settle_loss_scale(loss_scaling, skipped > 0, micro_batches)
         return applied
 
     def step(self, optimizer, gradients, weight=1.0):
@@ -658,5 +673,6 @@ class GradientAccumulator(tf.Module):
                 "`loss_scale_optimizer` must be a keras.optimizers.LossScaleOptimizer. "
                 f"Received: loss_scale_optimizer of type {type(optimizer).__name__}"
             )
+        self._loss_scaling = Untracked(optimizer)
         self._prepare_optimizer(optimizer)
         return optimizer

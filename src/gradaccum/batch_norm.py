@@ -29,38 +29,42 @@ _REFUSED = {
 }
 
 
-def merge_moments(a, b):
-    """Pools two groups given as (count, mean, sum of squared deviations).
+def power_sums(count, mean, variance):
+    """A group's statistics per channel (its count, mean and biased variance) as
+    float64 power sums stacked flat: the count, the sum and the sum of squares.
 
-    The parallel form of Welford's update (Chan et al.): exact for any split, with
-    no cancellation between large raw moments. An empty group (count 0) is neutral.
+    Power sums add: micro-batches pool into a window, and the replicas' windows into
+    the global window, by summing (one all-reduce). In float64 the subtraction that
+    recovers the variance (`moments_of`) loses about 1e-16 (1 + (mean / std)^2)
+    relative, below float32's resolution while |mean| / std < 10^4.
     """
-    n_a, mean_a, m2_a = a
-    n_b, mean_b, m2_b = b
-    n = n_a + n_b
-    delta = mean_b - mean_a
-    mean = mean_a + delta * tf.math.divide_no_nan(n_b, n)
-    m2 = m2_a + m2_b + tf.square(delta) * tf.math.divide_no_nan(n_a * n_b, n)
-    return n, mean, m2
+    count, mean, variance = (
+        tf.cast(tf.reshape(t, [-1]), tf.float64) for t in (count, mean, variance)
+    )
+    return tf.concat([count, count * mean, count * (variance + tf.square(mean))], axis=0)
 
 
-def shifted_sums(count, mean, m2, shift):
-    """(count, mean, m2) per channel as sums that add across groups: the count, the
-    sum of deviations from `shift` and the sum of their squares, stacked flat.
-
-    With a shift every replica shares (the moving mean), the replicas' groups pool
-    exactly by summing, in one all-reduce; the shift keeps the squares small once
-    the moving mean is near the data's."""
-    deviation = mean - shift
-    return tf.concat([count, count * deviation, m2 + count * tf.square(deviation)], axis=0)
+def moments_of(sums):
+    """The (count, mean, biased variance) of summed `power_sums`, in float32; an
+    empty group has mean and variance 0."""
+    count, total, squares = tf.split(sums, 3)
+    mean = tf.math.divide_no_nan(total, count)
+    variance = tf.maximum(tf.math.divide_no_nan(squares, count) - tf.square(mean), 0.0)
+    return tuple(tf.cast(t, tf.float32) for t in (count, mean, variance))
 
 
-def from_shifted_sums(sums, shift):
-    """The pooled (count, mean, biased variance) of summed `shifted_sums`."""
-    count, deviation, square = tf.split(sums, 3)
-    mean_deviation = tf.math.divide_no_nan(deviation, count)
-    variance = tf.math.divide_no_nan(square, count) - tf.square(mean_deviation)
-    return count, shift + mean_deviation, tf.maximum(variance, 0.0)
+def pool_replicas(gathered, replicas: int):
+    """The global window's (count, mean, biased variance), float32, from the
+    replicas' `_replica_slots` summed across replicas (each replica wrote its
+    (count, mean, m2) in its own row: the sum gathers them). Pooled exactly, in
+    float64, with the spread between the replicas' means."""
+    rows = tf.reshape(tf.cast(gathered, tf.float64), [replicas, 3, -1])
+    count, mean, m2 = rows[:, 0], rows[:, 1], rows[:, 2]
+    total = tf.reduce_sum(count, axis=0)
+    pooled = tf.math.divide_no_nan(tf.reduce_sum(count * mean, axis=0), total)
+    spread = tf.reduce_sum(m2 + count * tf.square(mean - pooled), axis=0)
+    variance = tf.math.divide_no_nan(spread, total)
+    return tuple(tf.cast(t, tf.float32) for t in (total, pooled, variance))
 
 
 def _check_options(config: dict, name: str) -> None:
@@ -87,17 +91,20 @@ class BatchNormalization(keras.layers.BatchNormalization):
 
     where the window variance is the biased variance of the concatenated window (as
     Keras records for one batch). A micro-batch skipped for a non-finite gradient is
-    left out; a dropped partial window is forgotten.
+    left out; a dropped partial window is forgotten. The window is kept as float64
+    power sums per channel (count, sum, sum of squares: `power_sums`), exact for any
+    split of the window up to |mean| / std of about 10^4.
 
     Under a strategy with several replicas each replica pools its own shares; at the
-    update the replicas' windows are pooled in the accumulator's one reduction (as
-    sums of deviations from the moving mean, which every replica shares), so the
-    moving statistics move once, from the global window's statistics. With
+    update the replicas' windows are gathered in the accumulator's one reduction and
+    pooled exactly, so the moving statistics move once, from the global window's
+    statistics. With
     `synchronized=True` each micro-batch is normalized with the statistics of all
     replicas' shares (one all-reduce per micro-batch and layer, as Keras's
     synchronized layer needs too). The pending window is layer state
-    (`window_count`, `window_mean`, `window_m2`, per channel), saved by `wrap`'s model
-    with its accumulation state and by `tf.train.Checkpoint`; the layer's own weight
+    (`window_count`, `window_sum`, `window_square`, per channel), saved by `wrap`'s
+    and `accumulate`'s models with their accumulation state and by
+    `tf.train.Checkpoint`; the layer's own weight
     entries are Keras's (gamma, beta, moving statistics), so weight files move
     between this layer and Keras's.
 
@@ -138,17 +145,17 @@ class BatchNormalization(keras.layers.BatchNormalization):
 
         def state(name, shape):
             # Replica-local under a strategy: each replica pools its own shares.
-            return kc.add_replica_local_weight(self, name, shape)
+            return kc.add_replica_local_weight(self, name, shape, "float64")
 
         # The micro-batch being computed (one or more forward passes), and the
         # accepted micro-batches of the open window. Counts are per channel: a mask
         # broadcast along another axis than the channels' weighs channels apart.
         self.micro_count = state("micro_count", channels)
-        self.micro_mean = state("micro_mean", channels)
-        self.micro_m2 = state("micro_m2", channels)
+        self.micro_sum = state("micro_sum", channels)
+        self.micro_square = state("micro_square", channels)
         self.window_count = state("window_count", channels)
-        self.window_mean = state("window_mean", channels)
-        self.window_m2 = state("window_m2", channels)
+        self.window_sum = state("window_sum", channels)
+        self.window_square = state("window_square", channels)
 
     def call(self, inputs, training=None, mask=None):
         if not (training and self.trainable and self._accumulated):
@@ -160,6 +167,11 @@ class BatchNormalization(keras.layers.BatchNormalization):
         inputs = tf.cast(inputs, tf.float64 if inputs.dtype == tf.float64 else tf.float32)
         mean, variance = kc.batch_norm_moments(self, inputs, mask)
         count = self._count(inputs, mask)
+        # An empty share (a last batch smaller than the replica count) has no
+        # moments: Keras's are nan, which would poison its gradient.
+        present = tf.reshape(count, tf.shape(mean)) > 0
+        mean = tf.where(present, mean, tf.zeros_like(mean))
+        variance = tf.where(present, variance, tf.zeros_like(variance))
         if self.synchronized:
             count, mean, variance = self._across_replicas(count, mean, variance)
             mean, variance = tf.cast(mean, inputs.dtype), tf.cast(variance, inputs.dtype)
@@ -187,44 +199,32 @@ class BatchNormalization(keras.layers.BatchNormalization):
 
     def _across_replicas(self, count, mean, variance):
         """synchronized=True: the micro-batch's statistics over every replica's
-        share, in one all-reduce of shifted sums (the replica's own on one)."""
+        share, in one all-reduce of its power sums (the replica's own on one)."""
         context = tf.distribute.get_replica_context()
         if context is None or context.num_replicas_in_sync == 1:
             return count, mean, variance
-        shift = tf.cast(self.moving_mean, tf.float32)
-        mean = tf.cast(tf.reshape(mean, [-1]), tf.float32)
-        m2 = tf.cast(tf.reshape(variance, [-1]), tf.float32) * count
         summed = context.all_reduce(
-            tf.distribute.ReduceOp.SUM, shifted_sums(count, mean, m2, shift)
+            tf.distribute.ReduceOp.SUM, power_sums(count, mean, variance)
         )
-        return from_shifted_sums(summed, shift)
+        return moments_of(summed)
 
     def _record(self, count, mean, variance):
-        mean = tf.cast(tf.reshape(mean, [-1]), tf.float32)
-        m2 = tf.cast(tf.reshape(variance, [-1]), tf.float32) * count
-        self._assign_micro(merge_moments(self._micro(), (count, mean, m2)))
+        """Adds a forward pass's statistics to the micro-batch's (a micro-batch may
+        take several forward passes)."""
+        sums = tf.split(power_sums(count, mean, variance), 3)
+        for variable, value in zip(self._micro(), sums):
+            variable.assign_add(value)
 
     def _micro(self):
-        return self.micro_count, self.micro_mean, self.micro_m2
+        return self.micro_count, self.micro_sum, self.micro_square
 
     def _window(self):
-        return self.window_count, self.window_mean, self.window_m2
-
-    def _assign_micro(self, moments):
-        for variable, value in zip(self._micro(), moments):
-            variable.assign(value)
-
-    def _assign_window(self, moments):
-        for variable, value in zip(self._window(), moments):
-            variable.assign(value)
+        return self.window_count, self.window_sum, self.window_square
 
     def _accept_micro_batch(self):
         """The micro-batch's gradient was accumulated: pool its statistics."""
-        self._assign_window(
-            merge_moments(
-                [v.value for v in self._window()], [v.value for v in self._micro()]
-            )
-        )
+        for window, micro in zip(self._window(), self._micro()):
+            window.assign_add(micro.value)
         self._discard_micro_batch()
 
     def _discard_micro_batch(self):
@@ -258,29 +258,32 @@ class BatchNormalization(keras.layers.BatchNormalization):
             )
         for i, variable in enumerate(variables):
             variable.assign(store[f"{i}"])
-        self._reset_window()
+        # The pending window is accumulation state: it is restored (or kept) with
+        # the accumulators, by whoever restores those.
 
-    def _window_sums(self):
-        """This replica's window as `shifted_sums` around the moving mean (the same
-        on every replica): what the update's reduction sums."""
-        count, mean, m2 = (v.value for v in self._window())
-        return shifted_sums(count, mean, m2, tf.cast(self.moving_mean, tf.float32))
+    def _replica_slots(self, replica, replicas: int, dtype):
+        """This replica's window as (count, mean, m2) per channel in its own row of
+        a zero [replicas, 3, channels] block, flat: summed across replicas (the
+        update's one reduction, whose tensors share one dtype) it gathers every
+        replica's window for `pool_replicas`."""
+        count, total, squares = (v.value for v in self._window())
+        mean = tf.math.divide_no_nan(total, count)
+        m2 = tf.maximum(squares - count * tf.square(mean), 0.0)
+        row = tf.cast(tf.concat([count, mean, m2], axis=0), dtype)
+        slot = tf.one_hot(replica, replicas, dtype=dtype)
+        return tf.reshape(slot[:, None] * row[None, :], [-1])
 
-    def _window_sums_size(self) -> int:
-        return 3 * int(self.moving_mean.shape[0])
+    def _replica_slots_size(self, replicas: int) -> int:
+        return replicas * 3 * int(self.moving_mean.shape[0])
 
-    def _commit_pooled(self, sums):
-        """The update under a strategy: the replicas' `_window_sums`, summed, move
-        the moving statistics once; then reset."""
-        count, mean, variance = from_shifted_sums(sums, tf.cast(self.moving_mean, tf.float32))
-        self._move(count > 0, mean, variance)
-
-    def _commit_window(self):
-        """The optimizer updated: move the moving statistics once, then reset."""
-        count, mean, m2 = (v.value for v in self._window())
-        self._move(count > 0, mean, tf.math.divide_no_nan(m2, count))
-
-    def _move(self, recorded, mean, variance):
+    def _commit_window(self, moments=None):
+        """The optimizer updated: the moving statistics move once, from the window's
+        (count, mean, variance) (`moments`: the global window's under several
+        replicas; None: this layer's own window), then the window resets."""
+        if moments is None:
+            moments = moments_of(tf.concat([v.value for v in self._window()], axis=0))
+        count, mean, variance = moments
+        recorded = count > 0
         momentum = tf.constant(self.momentum, tf.float32)
         for moving, window in ((self.moving_mean, mean), (self.moving_variance, variance)):
             current = tf.cast(moving.value, tf.float32)
