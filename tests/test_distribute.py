@@ -403,7 +403,8 @@ def _logs(folder):
 
 
 class OwnStepMLP(keras.Model):
-    """The test MLP with its own train_step (Keras's compute_loss, its optimizer)."""
+    """The test MLP with its own train_step (Keras's compute_loss, its optimizer),
+    which scales its loss as Keras's own step does (a no-op without loss scaling)."""
 
     def __init__(self, source):
         super().__init__()
@@ -416,7 +417,8 @@ class OwnStepMLP(keras.Model):
         x, y = data
         with tf.GradientTape() as tape:
             loss = self.compute_loss(x, y, self(x, training=True))
-        grads = tape.gradient(loss, self.trainable_variables)
+            scaled = self.optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, self.trainable_variables)
         self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
         return {"loss": loss}
 

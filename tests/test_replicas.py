@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 import gradaccum
-from test_distribute import DOORS, mirrored, state_of, trainer_of
+from test_distribute import DOORS, OwnStepMLP, mirrored, state_of, trainer_of
 from test_keras_model import SCE, data, mlp, plan_windows, reference_fit
 
 
@@ -39,7 +39,6 @@ def per_replica(strategy, variable):
 def test_reduction_sum_on_two_replicas_equals_one_device(door, own_step):
     """G = the sum of the micro-batches' gradients: the replicas' gradients of
     Keras's loss (divided by the replica count) summed, as Keras's optimizer does."""
-    from test_distribute import OwnStepMLP
 
     x, y = data(48)
 
@@ -71,22 +70,33 @@ def test_reduction_sum_on_two_replicas_equals_one_device(door, own_step):
 FLOAT16_RTOL, FLOAT16_ATOL = 1e-3, 5e-4
 
 
-@pytest.mark.parametrize("door", DOORS)
-def test_mixed_float16_on_two_replicas_equals_one_device(door, mixed_float16):
-    x, y = data(50)
-    windows, _ = plan_windows(50, 8, 3, epochs=2)  # 7 micro-batches: 3 + 3 + 1 (of 2)
+def adam_reference(windows, x, y):
+    """Plain Keras, one train_on_batch per global window, Adam (the policy's
+    LossScaleOptimizer under mixed_float16)."""
     ref = mlp()
     ref.compile(keras.optimizers.Adam(0.02), SCE)
-    reference_fit(ref, windows, x, y)
+    return reference_fit(ref, windows, x, y)
 
-    ops = gradaccum.CountingCrossDeviceOps()
+
+def fit_on_two_replicas(door, x, y, ops=None, optimizer=lambda: keras.optimizers.Adam(0.02)):
+    """The test MLP, steps 3, batches of 8 (4 per replica), 2 epochs."""
     strategy = mirrored(ops)
     with strategy.scope():
         model = mlp()
         trainer = trainer_of(door, model, steps=3)
-        trainer.compile(keras.optimizers.Adam(0.02), SCE)
-    assert isinstance(trainer.optimizer, keras.optimizers.LossScaleOptimizer)
+        trainer.compile(optimizer(), SCE)
     history = trainer.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    return strategy, model, trainer, history
+
+
+@pytest.mark.parametrize("door", DOORS)
+def test_mixed_float16_on_two_replicas_equals_one_device(door, mixed_float16):
+    x, y = data(50)
+    windows, _ = plan_windows(50, 8, 3, epochs=2)  # 7 micro-batches: 3 + 3 + 1 (of 2)
+    ref = adam_reference(windows, x, y)
+    ops = gradaccum.CountingCrossDeviceOps()
+    strategy, model, trainer, history = fit_on_two_replicas(door, x, y, ops)
+    assert isinstance(trainer.optimizer, keras.optimizers.LossScaleOptimizer)
     assert history.history["updates"] == [3.0, 6.0]
     assert history.history["skipped"] == [0.0, 0.0]
     assert int(ops.reductions) == 6  # one per update
@@ -112,17 +122,9 @@ def test_an_overflowing_replica_share_is_dropped_and_both_replicas_back_off(
     bad[9, 0] = 1e6
     windows, _ = plan_windows(48, 8, 3, epochs=2)  # [0-23], [24-47], twice
     kept = [np.setdiff1d(w, np.arange(8, 12)) for w in windows]
-    ref = mlp()
-    ref.compile(keras.optimizers.Adam(0.02), SCE)
-    reference_fit(ref, kept, x, y)
-
+    ref = adam_reference(kept, x, y)
     ops = gradaccum.CountingCrossDeviceOps()
-    strategy = mirrored(ops)
-    with strategy.scope():
-        model = mlp()
-        trainer = trainer_of(door, model, steps=3)
-        trainer.compile(keras.optimizers.Adam(0.02), SCE)
-    history = trainer.fit(bad, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    strategy, model, trainer, history = fit_on_two_replicas(door, bad, y, ops)
     assert history.history["updates"] == [2.0, 4.0]
     assert history.history["skipped"] == [1.0, 2.0]
     assert int(ops.reductions) == 4
@@ -136,27 +138,6 @@ def test_an_overflowing_replica_share_is_dropped_and_both_replicas_back_off(
     assert int(acc.skipped.numpy()) == 2 and int(acc.micro_step.numpy()) == 0
 
 
-class ScaledOwnStep(keras.Model):
-    """A model with its own train_step that scales its loss, as Keras asks of a
-    custom step under mixed_float16."""
-
-    def __init__(self, source):
-        super().__init__()
-        self.net = source
-
-    def call(self, x):
-        return self.net(x)
-
-    def train_step(self, data):
-        x, y = data
-        with tf.GradientTape() as tape:
-            loss = self.compute_loss(x, y, self(x, training=True))
-            scaled = self.optimizer.scale_loss(loss)
-        grads = tape.gradient(scaled, self.trainable_variables)
-        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
-        return {"loss": loss}
-
-
 def test_own_train_step_under_mixed_float16_on_two_replicas_equals_one_device(
     mixed_float16,
 ):
@@ -168,7 +149,7 @@ def test_own_train_step_under_mixed_float16_on_two_replicas_equals_one_device(
     strategy = mirrored()
     with strategy.scope():
         inner = mlp()
-        model = gradaccum.accumulate(ScaledOwnStep(inner), steps=3)
+        model = gradaccum.accumulate(OwnStepMLP(inner), steps=3)
         model.compile(keras.optimizers.Adam(0.02), SCE)
     history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     assert history.history["updates"] == [3.0, 6.0]
@@ -185,15 +166,11 @@ def test_loss_scaling_in_float32_drops_a_replica_share_exactly():
     bad[13, 2] = np.inf  # replica 1's share (rows 12-15) of the second micro-batch
     windows, _ = plan_windows(48, 8, 3, epochs=2)
     kept = [np.setdiff1d(w, np.arange(12, 16)) for w in windows]
-    ref = mlp()
-    ref.compile(keras.optimizers.Adam(0.02), SCE)
-    reference_fit(ref, kept, x, y)
-    strategy = mirrored()
-    with strategy.scope():
-        model = mlp()
-        trainer = gradaccum.accumulate(model, steps=3)
-        trainer.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.02)), SCE)
-    history = trainer.fit(bad, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    ref = adam_reference(kept, x, y)
+    strategy, model, trainer, history = fit_on_two_replicas(
+        "accumulate", bad, y,
+        optimizer=lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.02)),
+    )
     assert history.history["skipped"] == [1.0, 2.0]
     for a, b in zip(model.get_weights(), ref.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
