@@ -9,7 +9,8 @@ saves each result:
   splits 4 / 1);
 - `accumulate` and `wrap`: `fit()` with `gradaccum.accumulate` / `gradaccum.wrap`,
   steps=3, on the same arrays (Keras shards each global batch of 8 between the
-  workers: 4 / 4, the last batch of 5 as 3 / 2), then `evaluate` on 40 rows.
+  workers: 4 / 4, the last batch of 5 as 3 / 2), with accuracy and validation on 40
+  rows, then `evaluate` on those rows.
 
 It counts the cross-replica batch reductions (gradaccum's one per update) by
 wrapping `strategy.extended.batch_reduce_to`. `single_process_reference()` trains
@@ -73,7 +74,7 @@ def single_process_reference():
     """Weights after plain Keras steps on the global windows, EPOCHS times."""
     x, y = dataset_arrays()
     model = build_model()
-    model.compile(optimizer(), loss())
+    model.compile(optimizer(), loss(), metrics=["accuracy"])
     windows = global_windows() * EPOCHS
     for w in windows:
         model.train_on_batch(x[w], y[w])
@@ -109,12 +110,15 @@ def fit_with(strategy, door, x, y, saved, count):
     with strategy.scope():
         model = build_model()
         trainer = getattr(gradaccum, door)(model, steps=STEPS)
-        trainer.compile(optimizer(), loss())
+        trainer.compile(optimizer(), loss(), metrics=["accuracy"])
+    # Validation runs evaluate inside fit (the workaround is re-entrant).
     history = trainer.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False,
-                          verbose=0)
+                          verbose=0, validation_data=evaluation_arrays())
     saved.update({f"{door}_{i}": w for i, w in enumerate(model.get_weights())})
     saved[f"{door}_updates"] = int(trainer.optimizer.iterations.numpy())
     saved[f"{door}_logged_updates"] = history.history["updates"]
+    saved[f"{door}_validation"] = [history.history["val_loss"][-1],
+                                   history.history["val_accuracy"][-1]]
     saved[f"{door}_reductions"] = int(count.numpy()) - start
     saved[f"{door}_evaluate"] = trainer.evaluate(
         *evaluation_arrays(), batch_size=GLOBAL_BATCH, verbose=0

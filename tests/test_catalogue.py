@@ -154,6 +154,12 @@ def load_four_into_six(tmp_path):
 
 
 CASES = {
+    "accumulator-dtype-replicas": lambda: under(
+        two_replicas(),
+        lambda: gradaccum.GradientAccumulator(
+            make_mlp().trainable_variables, accumulator_dtype="bfloat16"
+        ),
+    ),
     "fit-split-synchronized-replicas": split_with_synchronized_batch_norm_on_two_replicas,
     # GradientAccumulator(...)
     "accumulator-variables-empty": lambda: gradaccum.GradientAccumulator([]),

@@ -76,6 +76,19 @@ def distribution_of(variables):
     return strategy
 
 
+def check_reduced_dtype(strategy, accumulator_dtype) -> None:
+    """Under several replicas the accumulators travel with the float32 (float64)
+    weight totals in one batched reduction, whose tensors must share a dtype."""
+    if several_replicas(strategy) and accumulator_dtype not in (tf.float32, tf.float64):
+        raise ValueError(
+            "`accumulator_dtype` must be float32 or float64 under several replicas: "
+            "the accumulators travel with the weight totals in one batched "
+            "reduction, whose tensors share one dtype. Received: "
+            f"accumulator_dtype={accumulator_dtype.name} under "
+            f"{strategy_name(strategy)} with {strategy.num_replicas_in_sync} replicas."
+        )
+
+
 def check_replica_context(method: str, variables) -> None:
     """`method` adds a replica's own gradients: under a strategy it must run inside
     `strategy.run`."""

@@ -469,6 +469,11 @@ class Accumulation:
             return
         host = self.host
         layers = self._layers.value
+        if self.options.split:
+            check_split_synchronization(
+                host.distribute_strategy, kc.flatten_layers(layers),
+                self.options.micro_batch_size,
+            )
         if self._own_step is not None and not host.built:
             # A subclassed model with its own step is built by its first step:
             # its accumulators are made when the step hands gradients over.
@@ -488,11 +493,6 @@ class Accumulation:
                 f"gradients of. Received: model {layers.name!r} with none."
             )
         terms = max(0, kc.count_compiled_losses(kc.compiled_loss(host)) - 1)
-        if self.options.split:
-            check_split_synchronization(
-                host.distribute_strategy, kc.flatten_layers(layers),
-                self.options.micro_batch_size,
-            )
         with host.distribute_strategy.scope():
             distribution_of(host.trainable_variables)
             if host.optimizer is not None and not host.optimizer.built:

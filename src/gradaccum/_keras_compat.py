@@ -309,10 +309,10 @@ def across_workers(model):
     - `reduce_per_replica` reduces each log with `strategy.reduce("MEAN", v,
       axis=0)`, which fails on the scalar logs every step returns ("Invalid
       reduction dimension 0 for input with 0 dimensions"), and would make one
-      all-reduce per log and step. The step's scalar logs are packed into one
-      [1, n] tensor, which Keras averages across replicas in one all-reduce, and
-      the train (test) function unpacks them: the replicas' mean, as under
-      MirroredStrategy.
+      all-reduce per log and step. The step's logs are packed into one [1, n]
+      float64 tensor, which Keras averages across replicas in one all-reduce, and
+      the train (test) function unpacks them (shapes and dtypes restored): the
+      replicas' mean, as under MirroredStrategy.
 
     Re-entrant (validation inside `fit` calls `evaluate`); the functions made inside
     keep unpacking after the block.
@@ -350,20 +350,25 @@ def across_workers(model):
 
 
 def _packing_logs(step, structure):
+    """`step` with its logs packed: every tensor of the logs flattened into one
+    float64 [1, n] tensor (exact for float32 and float64 logs and for integers
+    below 2^53); `structure` learns the logs' structure, shapes and dtypes when the
+    step is traced."""
+
     def packed(data):
         logs = step(data)
         leaves = tf.nest.flatten(logs)
-        if isinstance(logs, dict) and leaves and all(
-            tf.is_tensor(t) and t.shape.rank == 0 for t in leaves
+        if not leaves or not all(
+            tf.is_tensor(t) and t.shape.is_fully_defined() for t in leaves
         ):
-            structure[:] = [logs]
-            values = tf.stack([tf.cast(t, tf.float32) for t in leaves])
-            return {PACKED_LOGS: tf.reshape(values, [1, -1])}
-        # Anything else: scalars get the axis Keras reduces over.
-        return tf.nest.map_structure(
-            lambda t: tf.reshape(t, [1]) if tf.is_tensor(t) and t.shape.rank == 0 else t,
-            logs,
-        )
+            # Anything else: scalars get the axis Keras reduces over.
+            return tf.nest.map_structure(
+                lambda t: tf.reshape(t, [1]) if tf.is_tensor(t) and t.shape.rank == 0 else t,
+                logs,
+            )
+        structure[:] = [(logs, [t.shape for t in leaves], [t.dtype for t in leaves])]
+        values = tf.concat([tf.reshape(tf.cast(t, tf.float64), [-1]) for t in leaves], 0)
+        return {PACKED_LOGS: tf.reshape(values, [1, -1])}
 
     return packed
 
@@ -377,16 +382,27 @@ def _unpacking_logs(model, kind, make, structure):
 
         def run(iterator):
             logs = function(iterator)
-            if isinstance(logs, dict) and PACKED_LOGS in logs and structure:
-                values = tf.unstack(tf.reshape(logs[PACKED_LOGS], [-1]))
-                return tf.nest.pack_sequence_as(structure[0], values)
-            return logs
+            if not (isinstance(logs, dict) and PACKED_LOGS in logs and structure):
+                return logs
+            template, shapes, dtypes = structure[0]
+            values = tf.split(
+                tf.reshape(logs[PACKED_LOGS], [-1]), [s.num_elements() for s in shapes]
+            )
+            leaves = [
+                tf.cast(tf.reshape(v, shape), dtype)
+                for v, shape, dtype in zip(values, shapes, dtypes)
+            ]
+            return tf.nest.pack_sequence_as(template, leaves)
 
         run.gradaccum_unpacks = True
         return run
 
     def make_function(force=False):
-        make(force=force)
+        made = getattr(model, name)
+        # A function made outside the block (e.g. by `train_on_batch`) has Keras's
+        # failing reduction: made again.
+        stale = made is not None and not getattr(made, "gradaccum_unpacks", False)
+        make(force=force or stale)
         function = unpacking(getattr(model, name))
         setattr(model, name, function)
         return function

@@ -147,6 +147,7 @@ class GradientAccumulator(tf.Module):
         self._loss_scaling = Untracked(None)
         self._targets = Untracked(tuple(variables))
         strategy = dist.distribution_of(variables)
+        dist.check_reduced_dtype(strategy, self._accumulator_dtype)
         batch_norms = batch_normalization_layers(layers)
         for layer in batch_norms:
             layer._accumulated = True
@@ -567,12 +568,12 @@ class GradientAccumulator(tf.Module):
 
     def _replica_window(self):
         """What a replica adds to the window's reduction besides its sums: how many
-        of its shares were accumulated and skipped, and (with driven batch
-        normalization layers) each layer's window statistics in this replica's
-        slot."""
+        of its shares were skipped (the loss scale's one reaction), and (with driven
+        batch normalization layers) each layer's window statistics in this
+        replica's slot."""
         state = self.state
         dtype = state.total_weight.dtype
-        window = [tf.cast(tf.stack([state.micro_step, state.window_skipped]), dtype)]
+        window = [tf.cast(tf.reshape(state.window_skipped, [1]), dtype)]
         layers = self.batch_normalization_layers
         if layers:
             context = tf.distribute.get_replica_context()
@@ -595,8 +596,8 @@ class GradientAccumulator(tf.Module):
         reduced = dist.reduce_window(
             strategy, [*state.accumulators, state.total_weight, state.received, *window]
         )
-        sums, (total_weight, received, counts) = reduced[:n], reduced[n:n + 3]
-        accepted, skipped = counts[0], counts[1]
+        sums, (total_weight, received, skipped) = reduced[:n], reduced[n:n + 3]
+        skipped = skipped[0]
         pooled = None
         if len(reduced) > n + 3:
             # Each driven batch normalization layer's replicas' windows, pooled.
@@ -623,10 +624,13 @@ class GradientAccumulator(tf.Module):
             self.reset()
             return tf.constant(False)
 
+        # Something to apply: a variable received a gradient in the window (read
+        # from the summed counts, which a checkpoint restores exactly).
+        accepted = tf.reduce_any(received > 0)
         micro_batches = self.window_length()
         # Every replica's skipped shares, in the one count every replica keeps.
         state.skipped.assign(state.skipped + tf.cast(skipped, tf.int64))
-        applied = tf.cond(accepted > 0, update, close_empty)
+        applied = tf.cond(accepted, update, close_empty)
         if loss_scaling is not None:
             # The scale the window's shares were scaled with reacts once (also when
             # the caller applies with the inner optimizer).

@@ -45,26 +45,31 @@ def power_sums(count, mean, variance):
 
 
 def moments_of(sums):
-    """The (count, mean, biased variance) of summed `power_sums`, in float32; an
-    empty group has mean and variance 0."""
+    """The (count, mean, biased variance) of summed `power_sums`, in float64 (the
+    caller casts where it uses them); an empty group has mean and variance 0."""
     count, total, squares = tf.split(sums, 3)
     mean = tf.math.divide_no_nan(total, count)
     variance = tf.maximum(tf.math.divide_no_nan(squares, count) - tf.square(mean), 0.0)
-    return tuple(tf.cast(t, tf.float32) for t in (count, mean, variance))
+    return count, mean, variance
+
+
+# A replica's row per channel: count, mean (as a float32 pair, high and low parts),
+# spread (m2).
+SLOT_FIELDS = 4
 
 
 def pool_replicas(gathered, replicas: int):
-    """The global window's (count, mean, biased variance), float32, from the
-    replicas' `_replica_slots` summed across replicas (each replica wrote its
-    (count, mean, m2) in its own row: the sum gathers them). Pooled exactly, in
-    float64, with the spread between the replicas' means."""
-    rows = tf.reshape(tf.cast(gathered, tf.float64), [replicas, 3, -1])
-    count, mean, m2 = rows[:, 0], rows[:, 1], rows[:, 2]
+    """The global window's (count, mean, biased variance), float64, from the
+    replicas' `_replica_slots` summed across replicas (each replica wrote its row:
+    the sum gathers them). Pooled exactly, with the spread between the replicas'
+    means; each mean crossed as a float32 pair (high + low), so float32 transport
+    costs it nothing."""
+    rows = tf.reshape(tf.cast(gathered, tf.float64), [replicas, SLOT_FIELDS, -1])
+    count, mean, m2 = rows[:, 0], rows[:, 1] + rows[:, 2], rows[:, 3]
     total = tf.reduce_sum(count, axis=0)
     pooled = tf.math.divide_no_nan(tf.reduce_sum(count * mean, axis=0), total)
     spread = tf.reduce_sum(m2 + count * tf.square(mean - pooled), axis=0)
-    variance = tf.math.divide_no_nan(spread, total)
-    return tuple(tf.cast(t, tf.float32) for t in (total, pooled, variance))
+    return total, pooled, tf.math.divide_no_nan(spread, total)
 
 
 def _check_options(config: dict, name: str) -> None:
@@ -174,8 +179,8 @@ class BatchNormalization(keras.layers.BatchNormalization):
         variance = tf.where(present, variance, tf.zeros_like(variance))
         if self.synchronized:
             count, mean, variance = self._across_replicas(count, mean, variance)
-            mean, variance = tf.cast(mean, inputs.dtype), tf.cast(variance, inputs.dtype)
         self._record(count, mean, variance)
+        mean, variance = tf.cast(mean, inputs.dtype), tf.cast(variance, inputs.dtype)
         gamma = tf.cast(self.gamma, inputs.dtype) if self.scale else None
         beta = tf.cast(self.beta, inputs.dtype) if self.center else None
         outputs = keras.ops.batch_normalization(
@@ -263,18 +268,21 @@ class BatchNormalization(keras.layers.BatchNormalization):
 
     def _replica_slots(self, replica, replicas: int, dtype):
         """This replica's window as (count, mean, m2) per channel in its own row of
-        a zero [replicas, 3, channels] block, flat: summed across replicas (the
-        update's one reduction, whose tensors share one dtype) it gathers every
-        replica's window for `pool_replicas`."""
+        a zero [replicas, SLOT_FIELDS, channels] block, flat: summed across replicas
+        (the update's one reduction, whose tensors share one dtype) it gathers every
+        replica's window for `pool_replicas`. The mean goes as a high and a low
+        part, so that a float32 reduction carries it to float64 precision."""
         count, total, squares = (v.value for v in self._window())
         mean = tf.math.divide_no_nan(total, count)
         m2 = tf.maximum(squares - count * tf.square(mean), 0.0)
-        row = tf.cast(tf.concat([count, mean, m2], axis=0), dtype)
+        high = tf.cast(mean, dtype)
+        low = tf.cast(mean - tf.cast(high, tf.float64), dtype)
+        row = tf.concat([tf.cast(count, dtype), high, low, tf.cast(m2, dtype)], axis=0)
         slot = tf.one_hot(replica, replicas, dtype=dtype)
         return tf.reshape(slot[:, None] * row[None, :], [-1])
 
     def _replica_slots_size(self, replicas: int) -> int:
-        return replicas * 3 * int(self.moving_mean.shape[0])
+        return replicas * SLOT_FIELDS * int(self.moving_mean.shape[0])
 
     def _commit_window(self, moments=None):
         """The optimizer updated: the moving statistics move once, from the window's
@@ -284,10 +292,12 @@ class BatchNormalization(keras.layers.BatchNormalization):
             moments = moments_of(tf.concat([v.value for v in self._window()], axis=0))
         count, mean, variance = moments
         recorded = count > 0
-        momentum = tf.constant(self.momentum, tf.float32)
         for moving, window in ((self.moving_mean, mean), (self.moving_variance, variance)):
-            current = tf.cast(moving.value, tf.float32)
-            updated = current * momentum + window * (1.0 - momentum)
+            # In float32 as Keras's layer (float64 for float64 statistics).
+            dtype = tf.float64 if moving.dtype == tf.float64 else tf.float32
+            current = tf.cast(moving.value, dtype)
+            momentum = tf.constant(self.momentum, dtype)
+            updated = current * momentum + tf.cast(window, dtype) * (1.0 - momentum)
             moving.assign(tf.cast(tf.where(recorded, updated, current), moving.dtype))
         self._reset_window()
 
