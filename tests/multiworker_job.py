@@ -10,7 +10,9 @@ saves each result:
 - `accumulate` and `wrap`: `fit()` with `gradaccum.accumulate` / `gradaccum.wrap`,
   steps=3, on the same arrays (Keras shards each global batch of 8 between the
   workers: 4 / 4, the last batch of 5 as 3 / 2), with accuracy and validation on 40
-  rows, then `evaluate` on those rows.
+  rows, then `evaluate` on those rows;
+- `scaled`: `fit()` with a LossScaleOptimizer on data with an inf in worker 0's
+  share of one global batch.
 
 It counts the cross-replica batch reductions (gradaccum's one per update) by
 wrapping `strategy.extended.batch_reduce_to`. `single_process_reference()` trains
@@ -70,6 +72,23 @@ def global_windows():
     return [np.concatenate(micro[i:i + STEPS]) for i in range(0, len(micro), STEPS)]
 
 
+# The loss-scaled run: row 9 is inf, in worker 0's share (rows 8-11) of the second
+# global batch; that share is dropped with its weight.
+POISONED_ROW, POISONED_SHARE = 9, np.arange(8, 12)
+
+
+def poisoned_reference():
+    """Weights after plain Keras steps on the global windows without the poisoned
+    share, EPOCHS times."""
+    x, y = dataset_arrays()
+    model = build_model()
+    model.compile(optimizer(), loss())
+    for w in global_windows() * EPOCHS:
+        kept = np.setdiff1d(w, POISONED_SHARE)
+        model.train_on_batch(x[kept], y[kept])
+    return model.get_weights()
+
+
 def single_process_reference():
     """Weights after plain Keras steps on the global windows, EPOCHS times."""
     x, y = dataset_arrays()
@@ -101,6 +120,28 @@ def counting_reductions(strategy):
 
     strategy.extended.batch_reduce_to = counted
     return count
+
+
+def fit_loss_scaled(strategy, x, y, saved, count):
+    """fit() with a LossScaleOptimizer (float32 policy: exact) on data whose row 9
+    is inf: the share holding it is dropped, the scale backs off on every worker."""
+    import keras
+
+    import gradaccum
+
+    bad = x.copy()
+    bad[POISONED_ROW, 0] = np.inf
+    start = int(count.numpy())
+    with strategy.scope():
+        model = build_model()
+        trainer = gradaccum.accumulate(model, steps=STEPS)
+        trainer.compile(keras.optimizers.LossScaleOptimizer(optimizer()), loss())
+    history = trainer.fit(bad, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False,
+                          verbose=0)
+    saved.update({f"scaled_{i}": w for i, w in enumerate(model.get_weights())})
+    saved["scaled_skipped"] = history.history["skipped"]
+    saved["scaled_scale"] = float(trainer.optimizer.dynamic_scale.numpy())
+    saved["scaled_reductions"] = int(count.numpy()) - start
 
 
 def fit_with(strategy, door, x, y, saved, count):
@@ -174,6 +215,7 @@ def main(out_path):
     count = counting_reductions(strategy)
     for door in ("accumulate", "wrap"):
         fit_with(strategy, door, x, y, saved, count)
+    fit_loss_scaled(strategy, x, y, saved, count)
     np.savez(out_path, **saved)
 
 

@@ -380,6 +380,7 @@ def test_multi_worker_mirrored_two_processes_equal_a_single_process(tmp_path):
     import multiworker_job
 
     expected = multiworker_job.single_process_reference()
+    poisoned = multiworker_job.poisoned_reference()
     for index in range(2):
         got = np.load(tmp_path / f"worker{index}.npz")
         for i, want in enumerate(expected["loop"]):
@@ -398,6 +399,14 @@ def test_multi_worker_mirrored_two_processes_equal_a_single_process(tmp_path):
             # The last epoch's validation (evaluate inside fit) saw the same weights.
             np.testing.assert_allclose(got[f"{door}_validation"], expected["evaluate"],
                                        rtol=1e-5)
+        # Loss scaling: worker 0's poisoned share dropped with its weight in both
+        # epochs, the scale halved at each of those windows' updates on both
+        # workers (32768 -> 8192), one reduction per update.
+        for i, want in enumerate(poisoned):
+            np.testing.assert_allclose(got[f"scaled_{i}"], want, rtol=1e-5, atol=1e-6)
+        assert list(got["scaled_skipped"]) == [1.0, 2.0]
+        assert float(got["scaled_scale"]) == 8192.0
+        assert int(got["scaled_reductions"]) == 4
 
 
 def _logs(folder):
