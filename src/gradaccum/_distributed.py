@@ -2,9 +2,9 @@
 
 Under `MirroredStrategy` or `MultiWorkerMirroredStrategy` each replica accumulates
 into its own copy of the state (sync-on-read variables) without communicating. At an
-update the replicas' sums, weight totals, received counts, window counts (how many
-shares were accumulated and skipped: the loss scale's one reaction) and the
-`gradaccum.BatchNormalization` window statistics travel in ONE batched all-reduce
+update the replicas' sums, weight totals, received counts, the window's count of
+skipped shares (the loss scale's one reaction) and the `gradaccum.BatchNormalization`
+window statistics (each replica's in its own row) travel in ONE batched all-reduce
 (`reduce_window`), and every device forms the same global `G`.
 """
 

@@ -503,8 +503,9 @@ class GradientAccumulator(tf.Module):
 
     def _apply_combined(self, optimizer, combined, received, pooled=None) -> None:
         """One optimizer update with G; a variable the window gave no gradient to is
-        left out of it (decided at run time), then the window resets. `pooled`: the
-        batch normalization windows summed across replicas (one per layer)."""
+        left out of it (decided at run time), then the window resets. `pooled`: each
+        driven batch normalization layer's global window (count, mean, variance),
+        pooled across replicas; None on one device."""
         if kc.is_loss_scale_optimizer(optimizer):
             # The accumulated gradients are unscaled and finite already.
             optimizer = optimizer.inner_optimizer
