@@ -333,3 +333,26 @@ def test_bfloat16_variables_fit_with_float32_accumulators():
     for w, ref, w0 in zip(model.get_weights(), reference.get_weights(), start):
         w, ref, w0 = (np.asarray(a, "float32") for a in (w, ref, w0))
         np.testing.assert_allclose(w - w0, ref - w0, rtol=0.1, atol=2e-2)
+
+
+def test_the_loss_scale_grows_and_backs_off_per_micro_batch_on_one_device():
+    """On one device each micro-batch is a LossScaleOptimizer step: with
+    dynamic_growth_steps=4 the scale doubles after the 4th finite micro-batch, and
+    an overflowing one halves it and restarts the count."""
+    model = make_mlp()
+    opt = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), initial_scale=256.0, dynamic_growth_steps=4
+    )
+    opt.build(model.trainable_variables)
+    acc = gradaccum.GradientAccumulator(model.trainable_variables, steps=3)
+    finite = [tf.ones_like(v) for v in model.trainable_variables]
+    overflow = [tf.fill(v.shape, np.inf) for v in model.trainable_variables]
+    seen = []
+    for grads in [finite] * 6 + [overflow, finite]:
+        acc.step(opt, grads, weight=1.0)
+        seen.append((float(opt.dynamic_scale.numpy()), int(opt.step_counter.numpy())))
+    assert seen == [
+        (256.0, 1), (256.0, 2), (256.0, 3), (512.0, 0), (512.0, 1), (512.0, 2),
+        (256.0, 0), (256.0, 1),
+    ]
+    assert int(acc.skipped.numpy()) == 1
