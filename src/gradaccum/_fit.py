@@ -638,7 +638,9 @@ class Accumulation:
                 y_pred = host(x)
             loss = kc.compute_loss(host, x, y, y_pred, sample_weight)
             weight = tf.stop_gradient(self.micro_batch_weight(x, y, sample_weight, True))
-            objective = kc.unscale_loss_for_distribution(loss) if mean else loss
+            # The replica's own loss (Keras's divided by the replica count).
+            replica_loss = kc.unscale_loss_for_distribution(loss)
+            objective = replica_loss if mean else loss
             if weigh_loss:
                 objective = objective * tf.cast(weight, loss.dtype)
             # Loss scaling (a LossScaleOptimizer's dynamic scale, or an optimizer's
@@ -652,7 +654,7 @@ class Accumulation:
             acc.accumulate(gradients, weight, loss_scale_optimizer=host.optimizer)
         else:
             acc.accumulate_weighted(gradients, weight)
-        return y_pred, kc.unscale_loss_for_distribution(loss), weight
+        return y_pred, replica_loss, weight
 
     # Split mode ------------------------------------------------------------------
 

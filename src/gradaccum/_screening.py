@@ -135,45 +135,30 @@ def unscale_factor(loss_scale_optimizer, dtype):
     return tf.math.reciprocal(tf.cast(loss_scale_optimizer.dynamic_scale, dtype))
 
 
-def grow_loss_scale(optimizer) -> None:
-    """A finite micro-batch under loss scaling, counted as Keras's LossScaleOptimizer
+def grow_loss_scale(optimizer, steps=1) -> None:
+    """`steps` finite steps under loss scaling (a finite micro-batch on one device, a
+    window's micro-batches under a strategy), counted as Keras's LossScaleOptimizer
     counts finite steps: after `dynamic_growth_steps` in a row the scale doubles."""
-
-    def upscale():
-        optimizer.step_counter.assign(0)
-        optimizer.dynamic_scale.assign(optimizer.dynamic_scale * 2.0)
-        return tf.constant(True)
-
-    def increment():
-        optimizer.step_counter.assign_add(1)
-        return tf.constant(False)
-
-    tf.cond(
-        tf.equal(optimizer.step_counter, optimizer.dynamic_growth_steps - 1),
-        upscale,
-        increment,
-    )
+    growth = tf.cast(optimizer.dynamic_growth_steps, tf.int64)
+    total = tf.cast(optimizer.step_counter, tf.int64) + tf.cast(steps, tf.int64)
+    optimizer.step_counter.assign(tf.cast(total % growth, optimizer.step_counter.dtype))
+    scale = optimizer.dynamic_scale
+    doublings = tf.cast(total // growth, scale.dtype)
+    scale.assign(scale * tf.pow(tf.constant(2.0, scale.dtype), doublings))
 
 
 def settle_loss_scale(optimizer, overflowed, micro_batches) -> None:
     """The loss scale's one reaction to a window under a strategy (in cross-replica
     context, so every replica's copy changes alike): if any replica's share
     overflowed, it backs off once, as Keras's does for a step with a non-finite
-    gradient; else the window's `micro_batches` count as that many finite steps
-    (the scale doubles each `dynamic_growth_steps` of them)."""
+    gradient; else the window's `micro_batches` count as that many finite steps."""
 
     def back_off():
         back_off_loss_scale(optimizer)
         return tf.constant(False)
 
     def grow():
-        growth = tf.cast(optimizer.dynamic_growth_steps, tf.int64)
-        total = tf.cast(optimizer.step_counter, tf.int64) + tf.cast(micro_batches, tf.int64)
-        doublings = total // growth
-        optimizer.step_counter.assign(tf.cast(total % growth, optimizer.step_counter.dtype))
-        factor = tf.pow(tf.constant(2.0, optimizer.dynamic_scale.dtype),
-                        tf.cast(doublings, optimizer.dynamic_scale.dtype))
-        optimizer.dynamic_scale.assign(optimizer.dynamic_scale * factor)
+        grow_loss_scale(optimizer, micro_batches)
         return tf.constant(True)
 
     tf.cond(overflowed, back_off, grow)
