@@ -116,3 +116,21 @@ def test_gpt2_lora_accumulates_only_the_lora_parameters():
     moved = [float(np.abs(a - b).max()) for a, b in zip(initial, task.get_weights())]
     assert sum(m > 0 for m in moved) == len(task.trainable_variables)  # LoRA only
     assert_weights_close(task, reference, rtol=1e-5)
+
+
+def test_gpt2_task_on_two_replicas_equals_the_task_trained_on_the_windows():
+    """MirroredStrategy over 2 CPUs, strings in: each replica takes 2 of every 4
+    strings; the task equals one device fitting the windows of 12 (Keras's own
+    first-batch build fails on the boolean padding mask; gradaccum builds from one
+    replica's batch)."""
+    from test_distribute import mirrored
+
+    keras.utils.clear_session()
+    texts = hub_models.make_texts()
+    reference = hub_models.reference_fit_on_windows(hub_models.make_task(seed=0), texts, [12, 12])
+    with mirrored().scope():
+        task = gradaccum.accumulate(hub_models.make_task(seed=0), steps=3)
+    history = task.fit(texts, batch_size=4, shuffle=False, verbose=0)
+    assert history.history["updates"] == [2.0]
+    assert int(task.optimizer.iterations.numpy()) == 2
+    assert_weights_close(task, reference)

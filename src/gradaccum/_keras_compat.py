@@ -297,28 +297,32 @@ PACKED_LOGS = "gradaccum_packed_logs"
 @contextlib.contextmanager
 def across_workers(model):
     """Within the block (a `fit` or `evaluate`), Keras 3.15's trainer runs under a
-    MultiWorkerMirroredStrategy with several workers; elsewhere it does nothing.
+    strategy with several replicas, MultiWorkerMirroredStrategy included; elsewhere
+    it does nothing.
 
-    Two Keras failures, for any model (keras-team/keras issue 20585;
-    tensorflow/tensorflow issue 72388), both in keras/src/backend/tensorflow/trainer.py:
+    Two Keras failures (keras-team/keras issue 20585; tensorflow/tensorflow issue
+    72388), both in keras/src/backend/tensorflow/trainer.py:
 
     - `_maybe_symbolic_build` averages the first batch across replicas with
-      `strategy.reduce("MEAN", (x, y), axis=None)`, which this strategy cannot do on
-      a nested structure ("Attempt to convert a value (PerReplica...)"). The build
-      needs shapes and dtypes only: it is given this worker's first replica's batch.
+      `strategy.reduce("MEAN", (x, y), axis=None)`, which MultiWorkerMirroredStrategy
+      cannot do on a nested structure ("Attempt to convert a value (PerReplica...)")
+      and no strategy can do on a boolean tensor (a KerasHub task's padding mask under
+      MirroredStrategy: "Value for attr 'T' of bool"). The build needs shapes and
+      dtypes only: it is given this worker's first replica's batch.
     - `reduce_per_replica` reduces each log with `strategy.reduce("MEAN", v,
       axis=0)`, which fails on the scalar logs every step returns ("Invalid
       reduction dimension 0 for input with 0 dimensions"), and would make one
       all-reduce per log and step. The step's logs are packed into one [1, n]
       float64 tensor, which Keras averages across replicas in one all-reduce, and
       the train (test) function unpacks them (shapes and dtypes restored): the
-      replicas' mean, as under MirroredStrategy.
+      replicas' mean, as under MirroredStrategy (multi-worker only).
 
     Re-entrant (validation inside `fit` calls `evaluate`); the functions made inside
     keep unpacking after the block.
     """
     strategy = model.distribute_strategy
-    if not multi_worker(strategy) or model.__dict__.get("_gradaccum_across_workers"):
+    several = strategy.num_replicas_in_sync > 1 or multi_worker(strategy)
+    if not several or model.__dict__.get("_gradaccum_across_workers"):
         yield
         return
 
@@ -335,7 +339,7 @@ def across_workers(model):
             model._symbolic_build(data_batch=data_batch)
 
     overrides = {"_maybe_symbolic_build": symbolic_build}
-    for kind in ("train", "test"):
+    for kind in ("train", "test") if multi_worker(strategy) else ():
         structure = []  # the logs' structure, learnt when the step is traced
         step = getattr(model, f"{kind}_step")
         make = getattr(model, f"make_{kind}_function")
