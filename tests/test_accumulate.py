@@ -226,8 +226,8 @@ def test_accumulate_refuses_a_wrap_trainer():
         (dict(steps=2.5), "`steps` must be an integer >= 1. Received: steps=2.5"),
         (
             dict(steps=None),
-            "`steps` or `micro_batch_size` must be given. "
-            "Received: steps=None, micro_batch_size=None",
+            "`steps`, `weight_per_update` or `micro_batch_size` must be given. "
+            "Received: steps=None, weight_per_update=None, micro_batch_size=None",
         ),
         (dict(steps=2, partial="x"),
          "`partial` must be one of 'flush', 'carry', 'drop'. Received: partial='x'"),

@@ -280,7 +280,8 @@ def test_checkpoint_holds_only_the_accumulation_state():
     acc = gradaccum.GradientAccumulator(model.trainable_variables)
     names = sorted(v.name for v in acc.variables)
     fields = ("received", "micro_step", "total_weight", "window_skipped", "skipped",
-              "micro_batches")
+              "micro_batches", "updates", "window_steps", "last_window_micro_batches",
+              "last_window_weight")
     assert len(acc.variables) == len(model.trainable_variables) + len(fields)
     for state in fields:
         assert any(n.split("/")[-1].split(":")[0] == state for n in names), state
@@ -381,7 +382,9 @@ def test_non_scalar_weight():
 
 def test_step_needs_steps():
     acc = gradaccum.GradientAccumulator([tf.Variable(1.0)])
-    with pytest.raises(ValueError, match=r"^`steps` must be an integer >= 1 to use `step\(\)`"):
+    with pytest.raises(
+        ValueError, match=r"^`steps` or `weight_per_update` must be given to use `step\(\)`"
+    ):
         acc.step(keras.optimizers.SGD(), [tf.constant(1.0)])
 
 

@@ -612,8 +612,8 @@ def test_wrap_needs_steps_or_micro_batch_size(door):
     with pytest.raises(ValueError) as info:
         make_trainer(door, mlp(), steps=None)
     assert str(info.value) == (
-        "`steps` or `micro_batch_size` must be given. "
-        "Received: steps=None, micro_batch_size=None"
+        "`steps`, `weight_per_update` or `micro_batch_size` must be given. "
+        "Received: steps=None, weight_per_update=None, micro_batch_size=None"
     )
 
 

@@ -355,8 +355,8 @@ def test_invalid_micro_batch_size(value, door):
         ),
         (
             dict(),
-            "`steps` or `micro_batch_size` must be given. "
-            "Received: steps=None, micro_batch_size=None",
+            "`steps`, `weight_per_update` or `micro_batch_size` must be given. "
+            "Received: steps=None, weight_per_update=None, micro_batch_size=None",
         ),
         (
             dict(micro_batch_size=8, max_micro_batch_size=4),

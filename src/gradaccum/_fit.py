@@ -46,18 +46,26 @@ PARTIALS = _window.PARTIALS
 class Options:
     """The accumulation options, checked once (fixed-form errors).
 
-    Either `steps` (each batch is a micro-batch; `steps` of them make an update) or
-    `micro_batch_size` (split mode: each batch is split into micro-batches of at
-    most that many samples, or `"auto"`, and makes one update).
+    One of `steps` (each batch is a micro-batch; `steps` of them make an update,
+    `steps` an integer or a schedule by update index), `weight_per_update` (each
+    batch is a micro-batch; a window closes once its total weight reaches the
+    budget) or `micro_batch_size` (split mode: each batch is split into
+    micro-batches of at most that many samples, or `"auto"`, and makes one update).
     """
 
     def __init__(self, steps=None, weighting="exact", partial="flush", reduction="mean",
                  accumulator_dtype="float32", nonfinite="skip", *,
-                 micro_batch_size=None, max_micro_batch_size=None):
+                 micro_batch_size=None, max_micro_batch_size=None,
+                 weight_per_update=None):
         self.partial = check_choice("partial", partial, PARTIALS)
-        self.steps, self.micro_batch_size, self.max_micro_batch_size = (
-            check_window_options(steps, micro_batch_size, max_micro_batch_size, partial)
+        (
+            self.steps, self.weight_per_update, self.micro_batch_size,
+            self.max_micro_batch_size,
+        ) = check_window_options(
+            steps, micro_batch_size, max_micro_batch_size, partial, weight_per_update
         )
+        # A schedule's callable is tried on update 0 now, before fit traces it.
+        _window.WindowRule(self.steps, self.weight_per_update)
         self.weighting = check_weighting(weighting)
         self.reduction = check_choice("reduction", reduction, REDUCTIONS)
         self.accumulator_dtype = check_accumulator_dtype(accumulator_dtype).name
@@ -79,10 +87,17 @@ class Options:
     def auto(self) -> bool:
         return self.micro_batch_size == "auto"
 
+    @property
+    def window_per_call(self) -> int:
+        """Micro-batches a compiled call runs by default (`steps_per_execution`
+        "window"): the window's length when it is constant, else 1."""
+        return self.steps if isinstance(self.steps, int) else 1
+
     def accumulator(self, variables, *, layers=None, name="gradient_accumulator"):
         return GradientAccumulator(
             variables,
             steps=self.steps,
+            weight_per_update=self.weight_per_update,
             reduction=self.reduction,
             accumulator_dtype=self.accumulator_dtype,
             layers=layers,
@@ -418,12 +433,17 @@ class Accumulation:
             self.end_of_data()
 
     def write_logs(self, logs) -> None:
-        """`updates` (the optimizer's update count) and `skipped` in fit's logs."""
+        """`updates` (the optimizer's update count), `window_micro_batches` and
+        `window_weight` (what the last update's window held) and `skipped` in fit's
+        logs."""
         if logs is None or self.state is None:
             return
         optimizer = self._updating_optimizer()
         if optimizer is not None:
             logs["updates"] = float(optimizer.iterations.numpy())
+        logs.update(
+            {key: float(value.numpy()) for key, value in self._last_window().items()}
+        )
         if self.skips_possible():
             logs["skipped"] = float(self.state.skipped)
         if self.auto_size is not None and self.auto_size.chosen is not None:
@@ -439,10 +459,28 @@ class Accumulation:
         optimizer = self._updating_optimizer()
         if optimizer is not None:
             logs["updates"] = tf.cast(optimizer.iterations, tf.float32)
+        logs.update(
+            {key: tf.cast(value, tf.float32) for key, value in self._last_window().items()}
+        )
         if self.skips_possible():
             counts = [tf.cast(acc.skipped, tf.float32) for acc in self.state.accumulators()]
             logs["skipped"] = tf.add_n(counts) if counts else tf.constant(0.0)
         return logs
+
+    def _last_window(self) -> dict:
+        """What the last update's window held (`window_micro_batches`,
+        `window_weight`), of the accumulator that applies with the updating
+        optimizer; empty before there is one."""
+        optimizer = self._updating_optimizer()
+        accumulators = [(self.state.accumulator, getattr(self.host, "optimizer", None))]
+        accumulators = accumulators if self.state.accumulator is not None else []
+        for acc, owner in accumulators + list(self.state.own):
+            if owner is optimizer:
+                return {
+                    "window_micro_batches": acc.last_window_micro_batches,
+                    "window_weight": acc.last_window_weight,
+                }
+        return {}
 
     def _updating_optimizer(self):
         """The optimizer whose update count `updates` logs: the model's `optimizer`,
@@ -601,7 +639,7 @@ class Accumulation:
         acc = self.state.accumulator
         # A window of one micro-batch on one device: G = w g / w = g, applied
         # without the accumulators' copy.
-        single = self.options.steps == 1 and not (
+        single = isinstance(self.options.steps, int) and self.options.steps == 1 and not (
             tf.distribute.has_strategy()
             or kc.is_loss_scale_optimizer(host.optimizer)
             or acc.batch_normalization_layers
@@ -648,7 +686,7 @@ class Accumulation:
             objective = host.optimizer.scale_loss(objective)
         gradients = tape.gradient(objective, variables)
         if single:
-            acc._apply_single(host.optimizer, gradients)
+            acc._apply_single(host.optimizer, gradients, weight)
         elif loss_scaled:
             # Unscaled and weighed in one multiply by the accumulator.
             acc.accumulate(gradients, weight, loss_scale_optimizer=host.optimizer)
@@ -857,10 +895,7 @@ class Accumulation:
         return tf.logical_and(state.epoch_length > 0, state.epoch_step >= state.epoch_length)
 
     def _close_if_due(self, acc, optimizer) -> None:
-        _window.close_if_due(
-            acc, optimizer, self.options.steps, self.options.partial,
-            self._end_of_data_in_step(),
-        )
+        _window.close_if_due(acc, optimizer, self.options.partial, self._end_of_data_in_step())
 
     def end_of_data(self) -> None:
         """Closes the open windows as `partial` says (idempotent)."""

@@ -43,6 +43,12 @@ class AccumulatorState(tf.Module):
       count towards its length).
     - `skipped`: micro-batches skipped in all.
     - `micro_batches`: micro-batches presented since creation, skipped ones included.
+    - `updates`: updates made (the position of a `steps` schedule).
+    - `window_steps`: the open window's length under a `steps` schedule, read when
+      the window opened.
+    - `last_window_micro_batches`, `last_window_weight`: what the last update's
+      window held (micro-batches, skipped ones included; total weight, summed
+      across replicas).
     """
 
     FIELDS = (
@@ -52,6 +58,10 @@ class AccumulatorState(tf.Module):
         "window_skipped",
         "skipped",
         "micro_batches",
+        "updates",
+        "window_steps",
+        "last_window_micro_batches",
+        "last_window_weight",
     )
 
     def __init__(self, variables, accumulator_dtype, strategy=None, name="state"):
@@ -79,12 +89,26 @@ class AccumulatorState(tf.Module):
             self.window_skipped = tf.Variable(0, name="window_skipped", **int64)
             self.skipped = tf.Variable(0, name="skipped", **int64)
             self.micro_batches = tf.Variable(0, name="micro_batches", **int64)
+            self.updates = tf.Variable(0, name="updates", **int64)
+            self.window_steps = tf.Variable(0, name="window_steps", **int64)
+            self.last_window_micro_batches = tf.Variable(
+                0, name="last_window_micro_batches", **int64
+            )
+            self.last_window_weight = tf.Variable(
+                tf.constant(0, weight_dtype), name="last_window_weight", **COUNTED
+            )
 
     def named(self) -> dict[str, tf.Variable]:
         """Every variable under its stable name (`accumulator_<i>` and the fields)."""
         named = {f"accumulator_{i}": v for i, v in enumerate(self.accumulators)}
         named.update({field: getattr(self, field) for field in self.FIELDS})
         return named
+
+    def record_update(self, micro_batches, window_weight) -> None:
+        """Counts an update and remembers what its window held."""
+        self.last_window_micro_batches.assign(tf.cast(micro_batches, tf.int64))
+        self.last_window_weight.assign(tf.cast(window_weight, self.last_window_weight.dtype))
+        self.updates.assign(self.updates + 1)
 
     def reset_window(self) -> None:
         """Empties the open window; the running totals stay."""

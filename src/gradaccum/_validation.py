@@ -28,6 +28,94 @@ def check_steps(steps, *, allow_none: bool = False, name: str = "steps"):
     return int(steps)
 
 
+def check_steps_schedule(steps, *, allow_none: bool = False):
+    """`steps` as an int, a callable `update_index -> int` (checked where it is
+    first called), or a schedule of `(from_update, k)` pairs returned as a tuple of
+    int pairs; or raises the fixed-form ValueError."""
+    if callable(steps):
+        return steps
+    if isinstance(steps, Sequence) and not isinstance(steps, (str, bytes)):
+        return check_step_pairs(steps)
+    return check_steps(steps, allow_none=allow_none)
+
+
+def _is_int(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (numbers.Integral, np.integer))
+
+
+def check_step_pairs(pairs) -> tuple:
+    """A schedule of `(from_update, k)` pairs: from update `from_update` on (counted
+    from 0), windows hold `k` micro-batches. Sorted, strictly increasing, starting at
+    update 0."""
+    if not pairs:
+        raise ValueError(
+            "`steps` pairs must be a non-empty list of `(from_update, k)` pairs. "
+            f"Received: steps={pairs!r}"
+        )
+    checked = []
+    for pair in pairs:
+        if (
+            not isinstance(pair, Sequence)
+            or isinstance(pair, (str, bytes))
+            or len(pair) != 2
+            or not all(_is_int(n) for n in pair)
+            or int(pair[0]) < 0
+            or int(pair[1]) < 1
+        ):
+            raise ValueError(
+                "`steps` pairs must be `(from_update, k)` with integers "
+                f"from_update >= 0 and k >= 1. Received: steps={pairs!r}"
+            )
+        checked.append((int(pair[0]), int(pair[1])))
+    starts = [start for start, _ in checked]
+    if any(later <= earlier for earlier, later in zip(starts, starts[1:])):
+        raise ValueError(
+            "`steps` pairs must be sorted by `from_update`, each after the one before. "
+            f"Received: steps={pairs!r}"
+        )
+    if starts[0] != 0:
+        raise ValueError(
+            "`steps` pairs must start at update 0 (the first window's length). "
+            f"Received: steps={pairs!r}"
+        )
+    return tuple(checked)
+
+
+def check_weight_per_update(weight_per_update):
+    """Returns the weight budget as a float, None when not given, or raises."""
+    if weight_per_update is None:
+        return None
+    if (
+        isinstance(weight_per_update, bool)
+        or not isinstance(weight_per_update, (numbers.Real, np.number))
+        or not math.isfinite(float(weight_per_update))
+        or float(weight_per_update) <= 0
+    ):
+        raise ValueError(
+            "`weight_per_update` must be a finite number > 0. "
+            f"Received: weight_per_update={weight_per_update!r}"
+        )
+    return float(weight_per_update)
+
+
+def check_window_rule(steps, weight_per_update):
+    """`steps` (a count or a schedule) or `weight_per_update` (a budget), not both.
+
+    Returns:
+        (steps, weight_per_update), checked.
+    """
+    if steps is not None and weight_per_update is not None:
+        raise ValueError(
+            "`steps` and `weight_per_update` cannot be used together: a window closes "
+            "after `steps` micro-batches or once its total weight reaches "
+            f"`weight_per_update`. Received: steps={steps!r}, "
+            f"weight_per_update={weight_per_update!r}"
+        )
+    return check_steps_schedule(steps, allow_none=True), check_weight_per_update(
+        weight_per_update
+    )
+
+
 def check_micro_batch_size(micro_batch_size, *, allow_none: bool = True):
     """Returns `micro_batch_size` as an int or `"auto"`, or raises the fixed-form
     ValueError."""
@@ -47,13 +135,15 @@ def check_micro_batch_size(micro_batch_size, *, allow_none: bool = True):
     return int(micro_batch_size)
 
 
-def check_window_options(steps, micro_batch_size, max_micro_batch_size, partial):
-    """The window options together: `steps` (micro-batches per update) or
-    `micro_batch_size` (each batch split, one update per batch), never both; a cap
+def check_window_options(steps, micro_batch_size, max_micro_batch_size, partial,
+                         weight_per_update=None):
+    """The window options together: `steps` (micro-batches per update, or a
+    schedule of them), `weight_per_update` (a weight budget per update) or
+    `micro_batch_size` (each batch split, one update per batch), exactly one; a cap
     only with `"auto"`; no partial window to treat in split mode.
 
     Returns:
-        (steps, micro_batch_size, max_micro_batch_size), checked.
+        (steps, weight_per_update, micro_batch_size, max_micro_batch_size), checked.
     """
     if steps is not None and micro_batch_size is not None:
         raise ValueError(
@@ -62,13 +152,22 @@ def check_window_options(steps, micro_batch_size, max_micro_batch_size, partial)
             "micro-batches and updates once per batch. Received: "
             f"steps={steps!r}, micro_batch_size={micro_batch_size!r}"
         )
-    if steps is None and micro_batch_size is None:
+    if weight_per_update is not None and micro_batch_size is not None:
         raise ValueError(
-            "`steps` or `micro_batch_size` must be given. "
-            "Received: steps=None, micro_batch_size=None"
+            "`weight_per_update` and `micro_batch_size` cannot be used together: "
+            "`weight_per_update` closes a window of batches once their weight reaches "
+            "it, `micro_batch_size` makes each batch one window (let the data "
+            "pipeline choose the batches to vary what an update holds). Received: "
+            f"weight_per_update={weight_per_update!r}, "
+            f"micro_batch_size={micro_batch_size!r}"
+        )
+    if steps is None and micro_batch_size is None and weight_per_update is None:
+        raise ValueError(
+            "`steps`, `weight_per_update` or `micro_batch_size` must be given. "
+            "Received: steps=None, weight_per_update=None, micro_batch_size=None"
         )
     micro_batch_size = check_micro_batch_size(micro_batch_size)
-    steps = check_steps(steps, allow_none=True)
+    steps, weight_per_update = check_window_rule(steps, weight_per_update)
     cap = check_steps(max_micro_batch_size, allow_none=True, name="max_micro_batch_size")
     if cap is not None and micro_batch_size != "auto":
         raise ValueError(
@@ -82,7 +181,7 @@ def check_window_options(steps, micro_batch_size, max_micro_batch_size, partial)
             "window, so no window is ever left partial at the end of the data. "
             f"Received: partial={partial!r}"
         )
-    return steps, micro_batch_size, cap
+    return steps, weight_per_update, micro_batch_size, cap
 
 
 def check_choice(name: str, value, choices: Sequence[str]) -> str:

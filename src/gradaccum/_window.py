@@ -1,7 +1,10 @@
 """The window policy, in one home: when a window closes and what happens to a
 window the data ends in the middle of (`partial`).
 
-- A window closes after `steps` micro-batches (skipped ones included).
+- A window closes after `steps` micro-batches (skipped ones included); `steps` may
+  be a schedule by update index (`WindowRule`), read when the window opens.
+- Or, with a weight budget, at the first micro-batch after which the window's total
+  weight reaches `weight_per_update` (skipped micro-batches add no weight).
 - At the end of the data (the last micro-batch of an epoch, or the end of `fit`):
   `"flush"` applies what is there, normalized by its own weights; `"carry"` keeps it
   open into the next epoch; `"drop"` discards it.
@@ -14,7 +17,79 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from gradaccum._validation import check_callable_result, check_window_rule
+
 PARTIALS = ("flush", "carry", "drop")
+
+_SCHEDULE_RULE = "The `steps` callable must return an integer >= 1."
+
+
+class WindowRule:
+    """When the open window is due: after `steps` micro-batches, `steps` an integer
+    or a schedule by update index (a callable `update_index -> int`, or sorted
+    `(from_update, k)` pairs), or once its total weight reaches `weight_per_update`.
+
+    Args:
+        steps: as given to `GradientAccumulator` (checked here), or None.
+        weight_per_update: a weight budget > 0, or None. Not with `steps`.
+    """
+
+    def __init__(self, steps=None, weight_per_update=None):
+        self.steps, self.weight_per_update = check_window_rule(steps, weight_per_update)
+        if callable(self.steps):
+            # Called once now (update 0), eagerly: a wrong type or a first window
+            # of 0 is refused before anything is traced.
+            with tf.init_scope():
+                self._checked_length(self.steps, tf.constant(0, tf.int64))
+
+    @property
+    def constant(self) -> int | None:
+        """The window's length when it never changes (an integer `steps`)."""
+        return self.steps if isinstance(self.steps, int) else None
+
+    @property
+    def scheduled(self) -> bool:
+        """Whether the window's length depends on the update index."""
+        return self.steps is not None and self.constant is None
+
+    def length(self, update_index):
+        """The length (int64 tensor) of the window that makes update `update_index`
+        (counted from 0): the schedule's value there."""
+        update_index = tf.cast(update_index, tf.int64)
+        if callable(self.steps):
+            return self._checked_length(self.steps, update_index)
+        if self.constant is not None:
+            return tf.constant(self.constant, tf.int64)
+        starts = tf.constant([start for start, _ in self.steps], tf.int64)
+        lengths = tf.constant([k for _, k in self.steps], tf.int64)
+        # The last pair starting at or before the update (the first starts at 0).
+        position = tf.searchsorted(starts, tf.reshape(update_index, [1]), side="right")
+        return lengths[position[0] - 1]
+
+    @staticmethod
+    def _checked_length(schedule, update_index):
+        value = check_callable_result(
+            schedule(update_index),
+            "steps",
+            kind="an integer >= 1",
+            scalar="a scalar integer >= 1",
+            accepts=lambda dtype: dtype.is_integer,
+        )
+        value = tf.cast(value, tf.int64)
+        if tf.executing_eagerly():
+            if int(value) < 1:
+                raise ValueError(
+                    f"{_SCHEDULE_RULE} Received: {int(value)} for "
+                    f"update_index={int(update_index)}"
+                )
+            return value
+        check = tf.debugging.Assert(
+            value >= 1,
+            [f"{_SCHEDULE_RULE} Received:", value, "for update_index=", update_index],
+        )
+        with tf.control_dependencies([check]):
+            # Under XLA the assertion compiles away: a length below 1 acts as 1.
+            return tf.maximum(tf.identity(value), 1)
 
 
 def _drop(accumulator):
@@ -22,10 +97,10 @@ def _drop(accumulator):
     return tf.constant(True)
 
 
-def close_if_due(accumulator, optimizer, steps: int, partial: str, end_of_data) -> None:
-    """Applies a full window; at the end of the data, treats a partial one as
-    `partial` says."""
-    full = accumulator.window_length() >= steps
+def close_if_due(accumulator, optimizer, partial: str, end_of_data) -> None:
+    """Applies a full window (as the accumulator's `WindowRule` says); at the end of
+    the data, treats a partial one as `partial` says."""
+    full = accumulator.window_due()
     if partial == "flush":
         accumulator.apply_if(optimizer, tf.logical_or(full, end_of_data))
         return

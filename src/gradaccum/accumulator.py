@@ -27,10 +27,10 @@ from gradaccum._validation import (  # noqa: E402
     check_choice,
     check_gradients,
     check_optimizer,
-    check_steps,
     check_variables,
     check_weight,
 )
+from gradaccum._window import WindowRule  # noqa: E402
 from gradaccum.batch_norm import batch_normalization_layers  # noqa: E402
 
 __all__ = ["GradientAccumulator", "NONFINITE", "REDUCTIONS"]
@@ -72,8 +72,20 @@ class GradientAccumulator(tf.Module):
     Args:
         variables: the (trainable) variables whose gradients are accumulated, in the
             order of the gradient lists passed to `accumulate` and `step`.
-        steps: micro-batches per window, used by `step`. `None` when the caller
+        steps: micro-batches per window, used by `step`: an integer >= 1, or a
+            schedule of the window's length by update index (counted from 0, the
+            position saved with the state): a list of `(from_update, k)` pairs,
+            sorted and starting at 0 (`[(0, 1), (2, 2), (4, 4)]`: two updates of 1
+            micro-batch, two of 2, then 4), or a callable `update_index -> int`
+            that gets an int64 scalar tensor and returns an integer >= 1 (written
+            with tensor arithmetic or TensorFlow ops: it runs in the traced step).
+            A window's length is read when it opens. `None` when the caller
             decides when to `apply`.
+        weight_per_update: instead of `steps`, a weight budget: `step` closes the
+            window at the first micro-batch after which the window's total weight
+            reaches it (with token-count weights: about that many tokens per
+            update). Under several replicas the total is the global window's (one
+            scalar all-reduce per micro-batch).
         reduction: `"mean"` (default): `G = sum(w_i g_i) / sum(w_i)`, which equals
             the gradient on the concatenated window when `w_i` is the micro-batch's
             loss normalizer (its batch size for a per-sample mean loss, its token
@@ -100,7 +112,9 @@ class GradientAccumulator(tf.Module):
         name: name scope of the accumulator's variables.
 
     Raises:
-        ValueError: on an empty variable list, invalid `steps`, an unknown
+        ValueError: on an empty variable list, invalid `steps` (or a schedule
+            that returns something else than an integer >= 1 for update 0),
+            `weight_per_update` <= 0 or together with `steps`, an unknown
             `reduction` or `nonfinite`, a non-floating `accumulator_dtype`, `layers`
             that are not Keras layers, variables created outside the scope of the
             distribution strategy in use.
@@ -123,13 +137,32 @@ class GradientAccumulator(tf.Module):
     [False, True]
     >>> int(optimizer.iterations), int(acc.micro_step)
     (1, 0)
+
+    Windows that vary: a ramp (1 micro-batch for updates 0 and 1, then 2), and a
+    weight budget (a window closes once its weights reach 10).
+
+    >>> sgd = keras.optimizers.SGD(0.1)
+    >>> grads = [tf.zeros_like(v) for v in model.trainable_variables]
+    >>> ramp = gradaccum.GradientAccumulator(
+    ...     model.trainable_variables, steps=[(0, 1), (2, 2)])
+    >>> [bool(ramp.step(sgd, grads, weight=4)) for _ in range(6)]
+    [True, True, False, True, False, True]
+    >>> int(ramp.updates), int(ramp.last_window_micro_batches)
+    (4, 2)
+    >>> budget = gradaccum.GradientAccumulator(
+    ...     model.trainable_variables, weight_per_update=10)
+    >>> [bool(budget.step(sgd, grads, weight=w)) for w in (4, 4, 4, 12, 3)]
+    [False, False, True, True, False]
+    >>> float(budget.last_window_weight)
+    12.0
     """
 
     def __init__(
         self,
         variables,
         *,
-        steps: int | None = None,
+        steps=None,
+        weight_per_update: float | None = None,
         reduction: str = "mean",
         accumulator_dtype="float32",
         layers=None,
@@ -138,7 +171,7 @@ class GradientAccumulator(tf.Module):
     ):
         super().__init__(name=name)
         variables = check_variables(variables)
-        self._steps = check_steps(steps, allow_none=True)
+        self._rule = WindowRule(steps, weight_per_update)
         self._reduction = check_choice("reduction", reduction, REDUCTIONS)
         self._accumulator_dtype = check_accumulator_dtype(accumulator_dtype)
         self._nonfinite = check_nonfinite(nonfinite)
@@ -158,9 +191,31 @@ class GradientAccumulator(tf.Module):
     # Read-only views -------------------------------------------------------------
 
     @property
-    def steps(self) -> int | None:
-        """Micro-batches per window used by `step` (None: the caller decides)."""
-        return self._steps
+    def steps(self):
+        """Micro-batches per window used by `step`: an int, the schedule as given
+        (a callable, or the pairs as a tuple), or None."""
+        return self._rule.steps
+
+    @property
+    def weight_per_update(self) -> float | None:
+        """The weight budget of a window used by `step` (None: not a budget)."""
+        return self._rule.weight_per_update
+
+    @property
+    def updates(self) -> tf.Variable:
+        """Updates this accumulator made (int64 variable): the position of a
+        `steps` schedule."""
+        return self.state.updates
+
+    @property
+    def last_window_micro_batches(self) -> tf.Variable:
+        """Micro-batches the last update's window held, skipped ones included."""
+        return self.state.last_window_micro_batches
+
+    @property
+    def last_window_weight(self) -> tf.Variable:
+        """The total weight of the last update's window (across replicas)."""
+        return self.state.last_window_weight
 
     @property
     def reduction(self) -> str:
@@ -230,6 +285,37 @@ class GradientAccumulator(tf.Module):
         """Micro-batches in the open window, skipped ones included (int64 tensor)."""
         return self.state.micro_step + self.state.window_skipped
 
+    def window_due(self):
+        """Whether the open window is due (a boolean tensor): it holds `steps`
+        micro-batches (the schedule's length for this window), or its total weight
+        reached `weight_per_update`. False without either."""
+        rule, state = self._rule, self.state
+        if rule.weight_per_update is not None:
+            weight = state.total_weight.read_value()
+            if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
+                # The budget is the global window's: every replica decides alike.
+                weight = tf.distribute.get_replica_context().all_reduce("sum", weight)
+            return weight >= tf.cast(rule.weight_per_update, weight.dtype)
+        if rule.scheduled:
+            return self.window_length() >= state.window_steps
+        if rule.constant is not None:
+            return self.window_length() >= rule.constant
+        return tf.constant(False)
+
+    def _open_window(self) -> list:
+        """A scheduled window's length is read when its first micro-batch comes.
+        Returns what the micro-batch's accumulation must wait for (the check of the
+        schedule's value)."""
+        if not self._rule.scheduled:
+            return []
+        state = self.state
+
+        def read():
+            state.window_steps.assign(self._rule.length(state.updates))
+            return tf.constant(True)
+
+        return [tf.cond(self.window_length() == 0, read, lambda: tf.constant(False))]
+
     # Accumulation ----------------------------------------------------------------
 
     def accumulate(self, gradients, weight=1.0, *, loss_scale_optimizer=None):
@@ -284,13 +370,14 @@ class GradientAccumulator(tf.Module):
         dist.check_replica_context("accumulate", self.target_variables)
         gradients = check_gradients(gradients, self.target_variables)
         weight = check_weight(weight, self.state.total_weight.dtype)
-        if loss_scale_optimizer is not None:
-            return self._add_loss_scaled(gradients, weight, scale, loss_scale_optimizer)
+        with tf.control_dependencies(self._open_window()):
+            if loss_scale_optimizer is not None:
+                return self._add_loss_scaled(gradients, weight, scale, loss_scale_optimizer)
 
-        def add():
-            self._add_micro_batch(gradients, weight, weight if scale else None)
+            def add():
+                self._add_micro_batch(gradients, weight, weight if scale else None)
 
-        return self._screened(gradients, add)
+            return self._screened(gradients, add)
 
     def _add_loss_scaled(self, gradients, weight, scale, optimizer):
         optimizer = self._check_loss_scale_optimizer(optimizer)
@@ -381,17 +468,19 @@ class GradientAccumulator(tf.Module):
             self._warned_skip = True
             _screening.warn_skipped(count, stacklevel=stacklevel + 1)
 
-    def _apply_single(self, optimizer, gradients):
+    def _apply_single(self, optimizer, gradients, weight=1.0):
         """A window of one micro-batch on one device: G = g, applied without going
         through the accumulators, screened as `nonfinite` says."""
         self._prepare_optimizer(optimizer)
         gradients = check_gradients(gradients, self.target_variables)
+        weight = check_weight(weight, self.state.total_weight.dtype)
 
         def apply():
             kc.apply_gradients(
                 optimizer,
                 [(g, v) for g, v in zip(gradients, self.target_variables) if g is not None],
             )
+            self.state.record_update(1, weight)
 
         return self._screened(gradients, apply, windowed=False)
 
@@ -478,13 +567,12 @@ class GradientAccumulator(tf.Module):
 
         def update():
             state = self.state
+            total_weight = state.total_weight.read_value()
             self._apply_combined(
                 optimizer,
-                self._combine(
-                    [acc.read_value() for acc in state.accumulators],
-                    state.total_weight.read_value(),
-                ),
+                self._combine([acc.read_value() for acc in state.accumulators], total_weight),
                 state.received.read_value(),
+                total_weight,
             )
             return tf.constant(True)
 
@@ -501,9 +589,12 @@ class GradientAccumulator(tf.Module):
         skipped.assign(tf.where(condition, tf.zeros_like(skipped), skipped))
         return tf.constant(False)
 
-    def _apply_combined(self, optimizer, combined, received, pooled=None) -> None:
+    def _apply_combined(self, optimizer, combined, received, window_weight,
+                        pooled=None) -> None:
         """One optimizer update with G; a variable the window gave no gradient to is
-        left out of it (decided at run time), then the window resets. `pooled`: each
+        left out of it (decided at run time), then the update is counted with what
+        its window held (`window_weight`: the window's total weight, across
+        replicas) and the window resets. `pooled`: each
         driven batch normalization layer's global window (count, mean, variance),
         pooled across replicas; None on one device."""
         if kc.is_loss_scale_optimizer(optimizer):
@@ -538,6 +629,7 @@ class GradientAccumulator(tf.Module):
         tf.cond(tf.reduce_all(received), apply_all, apply_received)
         for i, layer in enumerate(self.batch_normalization_layers):
             layer._commit_window(None if pooled is None else pooled[i])
+        self.state.record_update(self.window_length(), window_weight)
         self.reset()
 
     # Distribution ----------------------------------------------------------------
@@ -616,7 +708,8 @@ class GradientAccumulator(tf.Module):
         def update():
             with kc.applying_across_replicas(inner, strategy):
                 self._apply_combined(
-                    inner, self._combine(sums, total_weight), received, pooled
+                    inner, self._combine(sums, total_weight), received, total_weight,
+                    pooled,
                 )
             return tf.constant(True)
 
@@ -640,7 +733,9 @@ class GradientAccumulator(tf.Module):
         return applied
 
     def step(self, optimizer, gradients, weight=1.0):
-        """Accumulates a micro-batch, and applies when `steps` micro-batches are in.
+        """Accumulates a micro-batch, and applies when the window is due: `steps`
+        micro-batches are in (the schedule's length for this window), or the
+        window's total weight reached `weight_per_update`.
 
         Args:
             optimizer: a Keras optimizer.
@@ -651,18 +746,18 @@ class GradientAccumulator(tf.Module):
             A boolean tensor: whether this call made an update.
 
         Raises:
-            ValueError: if the accumulator was created without `steps`, or as
-                `accumulate` does.
+            ValueError: if the accumulator was created without `steps` or
+                `weight_per_update`, or as `accumulate` does.
         """
-        if self._steps is None:
+        if self.steps is None and self.weight_per_update is None:
             raise ValueError(
-                "`steps` must be an integer >= 1 to use `step()`. Received: "
-                "steps=None. Pass `steps=` to GradientAccumulator, or call "
-                "`accumulate()` and `apply()` yourself."
+                "`steps` or `weight_per_update` must be given to use `step()`. "
+                "Received: steps=None, weight_per_update=None. Pass one of them to "
+                "GradientAccumulator, or call `accumulate()` and `apply()` yourself."
             )
         loss_scale_optimizer = optimizer if kc.is_loss_scale_optimizer(optimizer) else None
         self.accumulate(gradients, weight, loss_scale_optimizer=loss_scale_optimizer)
-        return self.apply_if(optimizer, self.window_length() >= self._steps)
+        return self.apply_if(optimizer, self.window_due())
 
     # Internals -------------------------------------------------------------------
 

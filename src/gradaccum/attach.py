@@ -44,7 +44,7 @@ def accumulation_of(model) -> Accumulation | None:
 
 def accumulate(
     model,
-    steps: int | None = None,
+    steps=None,
     *,
     micro_batch_size: int | str | None = None,
     max_micro_batch_size: int | None = None,
@@ -53,6 +53,7 @@ def accumulate(
     reduction: str = "mean",
     accumulator_dtype="float32",
     nonfinite="skip",
+    weight_per_update: float | None = None,
 ):
     """Makes `model`'s own `fit` train with exact gradient accumulation.
 
@@ -74,9 +75,11 @@ def accumulate(
       the micro-batch's size; `weighting="uniform"` or a callable overrides both.
 
     The optimizer's `iterations`, schedules, clipping, weight decay and EMA count
-    updates. `fit`'s logs gain `updates` (the optimizer's update count) and
-    `skipped` (micro-batches dropped for a non-finite gradient). `compile` defaults
-    `steps_per_execution` to the window (`steps`; 1 under several replicas); pass
+    updates. `fit`'s logs gain `updates` (the optimizer's update count),
+    `window_micro_batches` and `window_weight` (what the last update's window held)
+    and `skipped` (micro-batches dropped for a non-finite gradient). `compile`
+    defaults `steps_per_execution` to the window (`steps`; 1 under several replicas,
+    with a schedule or a weight budget); pass
     it to choose (a model compiled before `accumulate` keeps its own).
     `model.save()` writes the model as Keras would; `save_weights`
     (and so `keras.callbacks.BackupAndRestore`) also writes the open window beside
@@ -93,7 +96,13 @@ def accumulate(
 
     Args:
         model: a `keras.Model`, compiled or not; it is returned.
-        steps: micro-batches per update (k), an integer >= 1.
+        steps: micro-batches per update (k), an integer >= 1; or a schedule of k
+            by update index: sorted `(from_update, k)` pairs starting at 0, or a
+            callable `update_index -> int`, as in `gradaccum.wrap`.
+        weight_per_update: instead of `steps`, a weight budget: a window closes at
+            the first micro-batch after which its total weight (the loss
+            normalizers with `weighting="exact"`: tokens for a per-token loss)
+            reaches it.
         micro_batch_size: split mode: an integer >= 1, or `"auto"`. Not together
             with `steps`.
         max_micro_batch_size: with `"auto"`, the largest micro-batch to try.
@@ -145,6 +154,7 @@ def accumulate(
     options = Options(
         steps, weighting, partial, reduction, accumulator_dtype, nonfinite,
         micro_batch_size=micro_batch_size, max_micro_batch_size=max_micro_batch_size,
+        weight_per_update=weight_per_update,
     )
     if model.built:
         distribution_of(model.trainable_variables)
@@ -294,9 +304,10 @@ def _recompile(model, accumulation, *, user_config, steps_per_execution_given):
         config["loss"] = record_normalizers(config["loss"], accumulation.normalizers)
     if not steps_per_execution_given:
         replicas = model.distribute_strategy.num_replicas_in_sync
-        steps = accumulation.options.steps
-        # Split mode: one batch, one update, one call.
-        config["steps_per_execution"] = steps if replicas == 1 and steps else 1
+        # Split mode, schedules and budgets: one call per batch.
+        config["steps_per_execution"] = (
+            accumulation.options.window_per_call if replicas == 1 else 1
+        )
     keras.Model.compile(model, **config)
     kc.set_compile_config(model, user_config)
     accumulation.forget()

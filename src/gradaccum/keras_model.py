@@ -51,7 +51,7 @@ class AccumulatingModel(keras.Model):
         self,
         model,
         *,
-        steps: int | None = None,
+        steps=None,
         micro_batch_size: int | str | None = None,
         max_micro_batch_size: int | None = None,
         weighting="exact",
@@ -60,6 +60,7 @@ class AccumulatingModel(keras.Model):
         accumulator_dtype="float32",
         convert_batch_norm: bool = False,
         nonfinite: str = "skip",
+        weight_per_update: float | None = None,
         **kwargs,
     ):
         if not isinstance(model, keras.Model):
@@ -85,12 +86,14 @@ class AccumulatingModel(keras.Model):
         options = Options(
             steps, weighting, partial, reduction, accumulator_dtype, nonfinite,
             micro_batch_size=micro_batch_size, max_micro_batch_size=max_micro_batch_size,
+            weight_per_update=weight_per_update,
         )
         _warn_if_own_training(model)
         kwargs.setdefault("name", f"gradaccum_{model.name}")
         super().__init__(**kwargs)
         self.model = model
         self.steps = options.steps
+        self.weight_per_update = options.weight_per_update
         self.max_micro_batch_size = options.max_micro_batch_size
         self.weighting = options.weighting
         self.partial = options.partial
@@ -120,14 +123,17 @@ class AccumulatingModel(keras.Model):
 
         `steps_per_execution` defaults to `"window"`: one compiled call runs the
         `steps` micro-batches of a window (batch-level callbacks then see windows, as
-        with any `steps_per_execution`). Pass an integer (1 for per-micro-batch
+        with any `steps_per_execution`; 1 when windows vary: a schedule or a weight
+        budget). Pass an integer (1 for per-micro-batch
         callbacks) to choose. Under a tf.distribute strategy with several replicas
         `"window"` means 1: Keras's multi-step train function fails there (keras
         issue 19246, "You must feed a value for placeholder tensor").
         """
         if steps_per_execution == "window":
             replicas = self.distribute_strategy.num_replicas_in_sync
-            steps_per_execution = self.steps if replicas == 1 and self.steps else 1
+            steps_per_execution = (
+                self._accumulation.options.window_per_call if replicas == 1 else 1
+            )
         optimizer = keras.optimizers.get(optimizer)
         check_optimizer(optimizer)
         if self.weighting == "exact":
@@ -145,7 +151,8 @@ class AccumulatingModel(keras.Model):
     def get_config(self):
         return {
             "model": keras.saving.serialize_keras_object(self.model),
-            "steps": self.steps,
+            "steps": _serialized_steps(self.steps),
+            "weight_per_update": self.weight_per_update,
             "micro_batch_size": self._accumulation.options.micro_batch_size,
             "max_micro_batch_size": self.max_micro_batch_size,
             "weighting": _serialized(self.weighting),
@@ -164,8 +171,8 @@ class AccumulatingModel(keras.Model):
         model = keras.saving.deserialize_keras_object(
             config.pop("model"), custom_objects=custom_objects
         )
-        for option in ("weighting", "nonfinite"):
-            if option in config and not isinstance(config[option], str):
+        for option in ("weighting", "nonfinite", "steps"):
+            if isinstance(config.get(option), dict):
                 config[option] = keras.saving.deserialize_keras_object(
                     config[option], custom_objects=custom_objects
                 )
@@ -227,9 +234,19 @@ def _serialized(option):
     return option if isinstance(option, str) else keras.saving.serialize_keras_object(option)
 
 
+def _serialized_steps(steps):
+    """An integer or schedule pairs as they are (pairs as lists), a callable as
+    Keras serializes it."""
+    if callable(steps):
+        return keras.saving.serialize_keras_object(steps)
+    if isinstance(steps, tuple):
+        return [list(pair) for pair in steps]
+    return steps
+
+
 def wrap(
     model,
-    steps: int | None = None,
+    steps=None,
     *,
     micro_batch_size: int | str | None = None,
     max_micro_batch_size: int | None = None,
@@ -239,6 +256,7 @@ def wrap(
     accumulator_dtype="float32",
     convert_batch_norm: bool = False,
     nonfinite: str = "skip",
+    weight_per_update: float | None = None,
 ) -> AccumulatingModel:
     """Wraps a Keras model so that `fit()` trains it with gradient accumulation.
 
@@ -250,7 +268,16 @@ def wrap(
     Args:
         model: the `keras.Model` to train. The returned model shares its variables:
             after `fit`, `model` holds the trained weights.
-        steps: micro-batches per update (k).
+        steps: micro-batches per update (k), an integer >= 1; or a schedule of k
+            by update index (counted from 0, saved with the state): sorted
+            `(from_update, k)` pairs starting at 0, such as `[(0, 1), (2, 2),
+            (4, 4)]`, or a callable `update_index -> int` (it gets an int64 scalar
+            tensor; see `gradaccum.GradientAccumulator`). A window's length is read
+            when it opens.
+        weight_per_update: instead of `steps`, a weight budget: a window closes at
+            the first micro-batch after which its total weight reaches it. With
+            `weighting="exact"` the weight is the loss normalizer, so a per-token
+            loss gets about that many tokens per update.
         micro_batch_size: instead of `steps`, split mode: each batch of `fit` is cut
             into micro-batches of at most this many samples inside the step, and
             makes one update; or `"auto"`, the largest size that runs without an
@@ -285,10 +312,12 @@ def wrap(
 
     Returns:
         An `AccumulatingModel` to `compile` and `fit` like any Keras model. Its logs
-        include `updates`, the optimizer's update count.
+        include `updates`, the optimizer's update count, and what the last update's
+        window held: `window_micro_batches` and `window_weight`.
 
     Raises:
-        ValueError: if `model` is not a Keras model, or on an invalid `steps`,
+        ValueError: if `model` is not a Keras model, or on an invalid `steps` or
+            `weight_per_update` (or both given),
             `weighting`, `partial`, `reduction`, `accumulator_dtype`,
             `convert_batch_norm` or `nonfinite`, or (with `convert_batch_norm`) a subclassed model
             or a BatchNormalization option that cannot be honoured.
@@ -317,4 +346,5 @@ def wrap(
         accumulator_dtype=accumulator_dtype,
         convert_batch_norm=convert_batch_norm,
         nonfinite=nonfinite,
+        weight_per_update=weight_per_update,
     )
