@@ -1,6 +1,7 @@
 """A training job that can kill itself with SIGKILL, for tests/test_faults.py.
 
     python tests/fault_job.py fit|loop --dir DIR --out WEIGHTS.npz [--kill-at N]
+        [--schedule]
 
 `fit`: `gradaccum.wrap` + `fit` with `BackupAndRestore(save_freq=1)`, one
 micro-batch per compiled call. `loop`: a custom loop with `GradientAccumulator` and
@@ -9,7 +10,9 @@ position after every micro-batch. Either way: 3 epochs of 5 micro-batches of 2,
 steps 3 (windows 3 + 2 per epoch, the partial one flushed), Adam. With `--kill-at N`
 the process sends itself SIGKILL right after micro-batch N (counted from 1 over the
 whole run) has been trained on and saved; run again without it, the job resumes from
-DIR and writes the final weights to OUT.
+DIR and writes the final weights to OUT. With `--schedule`, `steps` is the ramp
+`SCHEDULE` instead of 3: windows 1, 1, 2 and a flushed 1 in epoch 1, then 4 and a
+flushed 1 in each later epoch.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import tensorflow as tf  # noqa: E402
 import gradaccum  # noqa: E402
 
 EPOCHS, BATCH, STEPS, SAMPLES = 3, 2, 3, 10
+SCHEDULE = [(0, 1), (2, 2), (4, 4)]
 
 
 def model_and_data():
@@ -55,9 +59,9 @@ class KillAfter(keras.callbacks.Callback):
             kill_self()
 
 
-def run_fit(directory, kill_at):
+def run_fit(directory, kill_at, steps):
     model, x, y = model_and_data()
-    trainer = gradaccum.wrap(model, steps=STEPS)
+    trainer = gradaccum.wrap(model, steps=steps)
     trainer.compile(
         keras.optimizers.Adam(0.05),
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -71,10 +75,10 @@ def run_fit(directory, kill_at):
     return model
 
 
-def run_loop(directory, kill_at):
+def run_loop(directory, kill_at, steps):
     model, x, y = model_and_data()
     optimizer = keras.optimizers.Adam(0.05)
-    acc = gradaccum.GradientAccumulator(model.trainable_variables, steps=STEPS)
+    acc = gradaccum.GradientAccumulator(model.trainable_variables, steps=steps)
     position = tf.Variable(0, dtype=tf.int64)  # micro-batches trained on so far
     checkpoint = tf.train.Checkpoint(
         model=model, optimizer=optimizer, accumulator=acc, position=position
@@ -110,9 +114,10 @@ def main():
     parser.add_argument("--dir", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--kill-at", type=int, default=0)
+    parser.add_argument("--schedule", action="store_true")
     args = parser.parse_args()
     run = run_fit if args.mode == "fit" else run_loop
-    model = run(args.dir, args.kill_at)
+    model = run(args.dir, args.kill_at, SCHEDULE if args.schedule else STEPS)
     np.savez(args.out, *model.get_weights())
 
 

@@ -181,7 +181,7 @@ def make_backbone(vocabulary_size: int, *, seed: int = 0, sequence_length: int =
     return backbone
 
 
-def compile_task(task, optimizer: keras.optimizers.Optimizer | None = None):
+def compile_task(task, optimizer: keras.optimizers.Optimizer | None = None, loss="auto"):
     """Compile `task` with KerasHub's loss and metric and a comparable optimizer.
 
     `CausalLM.compile`'s defaults are `Adam(2e-5)`,
@@ -193,12 +193,15 @@ def compile_task(task, optimizer: keras.optimizers.Optimizer | None = None):
     Args:
         task: a `CausalLM`.
         optimizer: a fresh optimizer; `None` for `keras.optimizers.Adam(1e-3)`.
+        loss: KerasHub's `"auto"`, or a loss (e.g. a per-token mean:
+            `reduction="mean_with_sample_weight"`).
 
     Returns:
         `task`, compiled.
     """
     task.compile(
         optimizer=keras.optimizers.Adam(1e-3) if optimizer is None else optimizer,
+        loss=loss,
         sampler="greedy",
     )
     return task
@@ -209,6 +212,7 @@ def make_task(
     *,
     optimizer: keras.optimizers.Optimizer | None = None,
     sequence_length: int = SEQUENCE_LENGTH,
+    loss="auto",
 ):
     """A tiny `GPT2CausalLM` with its preprocessor; same seed, same weights.
 
@@ -216,6 +220,7 @@ def make_task(
         seed: seeds the initial weights (`make_backbone`).
         optimizer: a fresh optimizer; `None` for `Adam(1e-3)` (see `compile_task`).
         sequence_length: of the preprocessor and the position embedding.
+        loss: as in `compile_task`.
 
     Returns:
         The compiled task. `task.fit(texts, batch_size=4, shuffle=False)` trains on raw
@@ -226,15 +231,16 @@ def make_task(
         preprocessor.tokenizer.vocabulary_size(), seed=seed, sequence_length=sequence_length
     )
     task = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=preprocessor)
-    return compile_task(task, optimizer)
+    return compile_task(task, optimizer, loss)
 
 
-def copy_task(task, optimizer: keras.optimizers.Optimizer | None = None):
+def copy_task(task, optimizer: keras.optimizers.Optimizer | None = None, loss="auto"):
     """A fresh `GPT2CausalLM` with `task`'s weights and preprocessor, compiled anew.
 
     Args:
         task: the task to copy (its optimizer state is not copied).
         optimizer: as in `compile_task`.
+        loss: as in `compile_task`.
 
     Returns:
         The copy; training it leaves `task` unchanged.
@@ -242,7 +248,7 @@ def copy_task(task, optimizer: keras.optimizers.Optimizer | None = None):
     backbone = type(task.backbone).from_config(task.backbone.get_config())
     copy = type(task)(backbone=backbone, preprocessor=task.preprocessor)
     copy.set_weights(task.get_weights())
-    return compile_task(copy, optimizer)
+    return compile_task(copy, optimizer, loss)
 
 
 def token_counts(task, texts: Sequence[str]) -> np.ndarray:
@@ -270,6 +276,7 @@ def reference_fit_on_windows(
     epochs: int = 1,
     *,
     optimizer: keras.optimizers.Optimizer | None = None,
+    loss="auto",
 ):
     """The large-batch reference: a copy of `task` fits each window as one batch.
 
@@ -287,6 +294,7 @@ def reference_fit_on_windows(
         window_sizes: samples per window; they must add up to `len(texts)`.
         epochs: passes over the windows.
         optimizer: a fresh optimizer for the copy; `None` for `Adam(1e-3)`.
+        loss: the copy's loss, as in `compile_task`.
 
     Returns:
         The trained copy; `copy.optimizer.iterations` counts its windows.
@@ -309,6 +317,6 @@ def reference_fit_on_windows(
     dataset = windows[0]
     for window in windows[1:]:
         dataset = dataset.concatenate(window)
-    copy = copy_task(task, optimizer)
+    copy = copy_task(task, optimizer, loss)
     copy.fit(dataset, epochs=epochs, shuffle=False, verbose=0)
     return copy

@@ -134,3 +134,43 @@ def test_gpt2_task_on_two_replicas_equals_the_task_trained_on_the_windows():
     assert history.history["updates"] == [2.0]
     assert int(task.optimizer.iterations.numpy()) == 2
     assert_weights_close(task, reference)
+
+
+def test_gpt2_task_with_a_token_budget_and_a_per_token_loss():
+    """weight_per_update=50 with a per-token loss: each update holds the first run of
+    micro-batches whose target tokens reach 50 (windows of 4, 3 and 4 micro-batches of
+    2 strings, then a partial 1), and equals the task fitted on those windows."""
+    from test_schedules import budget_windows
+
+    def per_token():
+        return keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction="mean_with_sample_weight"
+        )
+
+    texts = hub_models.make_texts()
+    task = hub_models.make_task(seed=0, loss=per_token())
+    tokens = hub_models.token_counts(task, texts)
+    counts = [int(tokens[i:i + 2].sum()) for i in range(0, len(texts), 2)]  # batches of 2
+    windows = budget_windows(counts, 50)
+    assert [len(w) for w in windows] == [4, 3, 4, 1]
+    gradaccum.accumulate(task, weight_per_update=50)
+    updates = []
+    watch = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: updates.append(
+            (logs["updates"], logs["window_micro_batches"], logs["window_weight"])
+        )
+    )
+    history = task.fit(texts, batch_size=2, shuffle=False, verbose=0, callbacks=[watch])
+    reference = hub_models.reference_fit_on_windows(
+        hub_models.make_task(seed=0), texts, [2 * len(w) for w in windows], loss=per_token()
+    )
+    full = [w for w in windows if sum(counts[i] for i in w) >= 50]
+    closing = [updates[w[-1]] for w in full]
+    assert closing == [
+        (float(n + 1), float(len(w)), float(sum(counts[i] for i in w)))
+        for n, w in enumerate(full)
+    ]
+    assert history.history["updates"] == [float(len(windows))]
+    assert int(task.optimizer.iterations) == int(reference.optimizer.iterations)
+    assert max_gap(task, hub_models.make_task(seed=0)) > 1e-3
+    assert_weights_close(task, reference, rtol=1e-5)

@@ -18,7 +18,10 @@ TIMEOUT = 240
 
 def run_job(mode, directory, out, kill_at=0):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
-    command = [sys.executable, str(JOB), mode, "--dir", str(directory), "--out", str(out)]
+    job, _, variant = mode.partition("-")
+    command = [sys.executable, str(JOB), job, "--dir", str(directory), "--out", str(out)]
+    if variant == "schedule":
+        command.append("--schedule")
     if kill_at:
         command += ["--kill-at", str(kill_at)]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT)
@@ -63,3 +66,23 @@ def test_sigkill_in_the_middle_of_a_window_then_rerun_equals_an_uninterrupted_ru
     assert len(expected) == len(got) == 4
     for a, b in zip(got, expected):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs POSIX signals")
+@pytest.mark.parametrize("mode", ["fit-schedule", "loop-schedule"])
+def test_sigkill_in_a_scheduled_run_then_rerun_continues_the_schedule(
+    tmp_path, uninterrupted, mode
+):
+    # The ramp [(0, 1), (2, 2), (4, 4)] over epochs of 5 micro-batches: epoch 1 makes
+    # updates 0-3 (1, 1, 2, a flushed 1); micro-batch 7 is the second of update 4's
+    # window of 4, which the rerun must know from the restored schedule position.
+    killed = run_job(mode, tmp_path / "backup", tmp_path / "never.npz", kill_at=7)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    resumed = run_job(mode, tmp_path / "backup", tmp_path / "resumed.npz")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    expected, got = uninterrupted(mode), weights(tmp_path / "resumed.npz")
+    for a, b in zip(got, expected):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    # The schedule shaped the run: windows of 3 end elsewhere.
+    fixed = uninterrupted(mode.split("-")[0])
+    assert max(float(np.abs(a - b).max()) for a, b in zip(expected, fixed)) > 1e-3
