@@ -95,6 +95,15 @@ def accumulate_in_cross_replica_context():
         acc.accumulate([tf.zeros_like(v) for v in model.trainable_variables])
 
 
+def schedule_zero_at_second_window():
+    # Windows of 2 micro-batches for update 0, then 0 (refused when update 1's
+    # window opens).
+    acc = accumulator(steps=lambda update: 2 - 2 * tf.minimum(update, 1))
+    optimizer = keras.optimizers.SGD()
+    for _ in range(3):
+        acc.step(optimizer, [tf.constant([1.0, 1.0])])
+
+
 def nonfinite_raise():
     acc = accumulator(steps=2, nonfinite="raise")
     acc.accumulate([tf.constant([1.0, 1.0])])
@@ -165,6 +174,18 @@ CASES = {
     "accumulator-variables-empty": lambda: gradaccum.GradientAccumulator([]),
     "accumulator-variables-element": lambda: gradaccum.GradientAccumulator([1.0]),
     "accumulator-steps": lambda: accumulator(steps=0),
+    "accumulator-steps-callable-zero": lambda: accumulator(steps=lambda update: 0),
+    "accumulator-steps-callable-later": schedule_zero_at_second_window,
+    "accumulator-steps-callable-dtype": lambda: accumulator(steps=lambda update: 1.5),
+    "accumulator-steps-callable-shape": lambda: accumulator(steps=lambda update: [1, 2]),
+    "accumulator-steps-pairs-empty": lambda: accumulator(steps=[]),
+    "accumulator-steps-pairs-form": lambda: accumulator(steps=[(0, 2.5)]),
+    "accumulator-steps-pairs-sorted": lambda: accumulator(steps=[(0, 1), (4, 4), (2, 2)]),
+    "accumulator-steps-pairs-start": lambda: accumulator(steps=[(2, 2)]),
+    "accumulator-weight-per-update": lambda: accumulator(weight_per_update=0),
+    "accumulator-steps-and-weight-per-update": lambda: accumulator(
+        steps=4, weight_per_update=64
+    ),
     "accumulator-reduction": lambda: accumulator(reduction="avg"),
     "accumulator-dtype": lambda: accumulator(accumulator_dtype="int32"),
     "accumulator-layers": lambda: accumulator(layers=["bn"]),
@@ -197,6 +218,12 @@ CASES = {
     "accumulate-steps": lambda: gradaccum.accumulate(make_mlp(), steps=0),
     "accumulate-partial": lambda: gradaccum.accumulate(make_mlp(), steps=2, partial="keep"),
     "accumulate-micro-batch-size": lambda: gradaccum.accumulate(make_mlp(), micro_batch_size=0),
+    "accumulate-steps-and-weight-per-update": lambda: gradaccum.accumulate(
+        make_mlp(), steps=[(0, 1), (2, 2)], weight_per_update=64
+    ),
+    "accumulate-weight-per-update-and-micro-batch-size": lambda: gradaccum.accumulate(
+        make_mlp(), weight_per_update=64, micro_batch_size=16
+    ),
     "accumulate-steps-and-micro-batch-size": lambda: gradaccum.accumulate(
         make_mlp(), steps=4, micro_batch_size=16
     ),
@@ -215,6 +242,8 @@ CASES = {
     "wrap-model": lambda: gradaccum.wrap("model", steps=2),
     "wrap-wrapped": lambda: gradaccum.wrap(trainer(), steps=2),
     "wrap-steps": lambda: trainer(steps=2.5),
+    "wrap-steps-pairs": lambda: trainer(steps=[(2, 2), (0, 1)]),
+    "wrap-weight-per-update": lambda: gradaccum.wrap(make_mlp(), weight_per_update=-1),
     "wrap-weighting": lambda: trainer(weighting="tokens"),
     "wrap-partial": lambda: trainer(partial="keep"),
     "wrap-reduction": lambda: trainer(reduction="avg"),
