@@ -36,13 +36,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 BATCH, SAMPLES = 32, 8192
 
-# (name, steps (None: Keras's fit), policy, batch normalization: None, "keras",
-# "gradaccum" or "synchronized")
+# (name, window (None: Keras's fit; an int: `steps`; a dict: wrap's window options),
+# policy, batch normalization: None, "keras", "gradaccum" or "synchronized")
 MIRRORED = [
     ("Keras fit (no accumulation)", None, "float32", None),
     ("gradaccum steps=1", 1, "float32", None),
     ("gradaccum steps=4", 4, "float32", None),
     ("gradaccum steps=16", 16, "float32", None),
+    # 128 samples per update: the windows of steps=4, decided by a budget (one scalar
+    # all-reduce per micro-batch on top of the update's reduction).
+    ("gradaccum weight_per_update=128", {"weight_per_update": 128}, "float32", None),
     ("Keras fit, mixed_float16", None, "mixed_float16", None),
     ("gradaccum steps=4, mixed_float16", 4, "mixed_float16", None),
     ("Keras fit, BatchNormalization", None, "float32", "keras"),
@@ -81,12 +84,13 @@ def train(strategy, contender, x, y, repeats, counter):
     import gradaccum
     from gradaccum import _keras_compat as kc
 
-    name, steps, policy, batch_norm = contender
+    name, window, policy, batch_norm = contender
     keras.mixed_precision.set_global_policy(policy)
     try:
         with strategy.scope():
             model = build(batch_norm)
-            trainer = model if steps is None else gradaccum.wrap(model, steps=steps)
+            options = window if isinstance(window, dict) else dict(steps=window)
+            trainer = model if window is None else gradaccum.wrap(model, **options)
             trainer.compile(keras.optimizers.Adam(1e-3),
                             keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         with kc.across_workers(trainer):  # Keras's own fit under several workers

@@ -13,6 +13,11 @@ import tensorflow as tf
 import gradaccum
 from gradaccum.attach import accumulation_of
 
+STEPS_RULE = (
+    "`steps` must be an integer >= 1, a list of `(from_update, k)` pairs or a callable "
+    "`update_index -> int`. Received: steps="
+)
+
 SCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
@@ -222,8 +227,8 @@ def test_accumulate_refuses_a_wrap_trainer():
 @pytest.mark.parametrize(
     "options, message",
     [
-        (dict(steps=0), "`steps` must be an integer >= 1. Received: steps=0"),
-        (dict(steps=2.5), "`steps` must be an integer >= 1. Received: steps=2.5"),
+        (dict(steps=0), f"{STEPS_RULE}0"),
+        (dict(steps=2.5), f"{STEPS_RULE}2.5"),
         (
             dict(steps=None),
             "`steps`, `weight_per_update` or `micro_batch_size` must be given. "

@@ -303,7 +303,10 @@ def test_checkpoint_holds_only_the_accumulation_state():
 def test_invalid_steps(steps, shown):
     with pytest.raises(ValueError) as info:
         gradaccum.GradientAccumulator([tf.Variable(1.0)], steps=steps)
-    assert str(info.value) == f"`steps` must be an integer >= 1. Received: steps={shown}"
+    assert str(info.value) == (
+        "`steps` must be an integer >= 1, a list of `(from_update, k)` pairs or a "
+        f"callable `update_index -> int`. Received: steps={shown}"
+    )
 
 
 def test_unknown_reduction():

@@ -605,7 +605,10 @@ def test_wrap_refuses_a_wrapped_model():
 def test_wrap_invalid_steps(door, steps, shown):
     with pytest.raises(ValueError) as info:
         make_trainer(door, mlp(), steps=steps)
-    assert str(info.value) == f"`steps` must be an integer >= 1. Received: steps={shown}"
+    assert str(info.value) == (
+        "`steps` must be an integer >= 1, a list of `(from_update, k)` pairs or a "
+        f"callable `update_index -> int`. Received: steps={shown}"
+    )
 
 
 def test_wrap_needs_steps_or_micro_batch_size(door):

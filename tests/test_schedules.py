@@ -182,22 +182,81 @@ def test_a_schedule_under_jit_compile_equals_plain_training():
     assert_same_state(model, trainer.optimizer, reference, reference_opt)
 
 
-def test_the_window_length_is_read_when_the_window_opens():
-    # A schedule read once per window: a callable that counts its calls is called
-    # once at construction (update 0) and once per window, not per micro-batch.
-    calls = []
+@pytest.mark.parametrize("eager", [False, True], ids=["function", "eager"])
+def test_the_window_length_is_read_when_the_window_opens(eager):
+    # A schedule read once per window: a callable that counts its calls runs once at
+    # construction (update 0) and once per window, not per micro-batch.
+    calls = tf.Variable(0, dtype=tf.int64)
+    indices = tf.Variable(0, dtype=tf.int64)
 
     def schedule(update):
-        calls.append(int(update))
+        calls.assign_add(1)
+        indices.assign_add(update)
         return 3
 
     model, optimizer = make_mlp(), OPTIMIZERS["sgd"]()
     acc = gradaccum.GradientAccumulator(model.trainable_variables, steps=schedule)
+    assert not bool(acc.window_due())  # an empty window is never due
     x, y = make_data(9 * 2)
+
+    def micro_batch(xb, yb):
+        return acc.step(optimizer, grads_of(model, xb, yb))
+
+    step = micro_batch if eager else tf.function(micro_batch)
     for i in range(9):
-        acc.step(optimizer, grads_of(model, x[2 * i:2 * i + 2], y[2 * i:2 * i + 2]))
-    assert calls == [0, 0, 1, 2]
+        step(x[2 * i:2 * i + 2], y[2 * i:2 * i + 2])
+    assert int(calls) == 4 and int(indices) == 0 + 0 + 1 + 2
     assert int(acc.state.window_steps) == 3 and int(optimizer.iterations) == 3
+    assert not bool(acc.window_due())
+
+
+def python_ramp(update):
+    """The ramp with Python control flow on the index (AutoGraph makes it a graph's)."""
+    if update < 2:
+        k = 1
+    elif update < 4:
+        k = 2
+    else:
+        k = 4
+    return k
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_callable_schedule_with_python_control_flow(door, jit_compile):
+    x, y = make_data(14 * 4)
+    reference_opt = OPTIMIZERS["adam"]()
+    reference = reference_on_windows(
+        schedule_windows(14, pairs_length(RAMP)), x, y, 4, reference_opt
+    )
+    model = make_mlp()
+    trainer = make_trainer(door, model, steps=python_ramp)
+    trainer.compile(OPTIMIZERS["adam"](), SCE, jit_compile=jit_compile)
+    trainer.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert int(trainer.optimizer.iterations) == 6
+    assert_same_state(trained(door, trainer), trainer.optimizer, reference, reference_opt)
+
+    # And in a custom loop's tf.function.
+    model, optimizer = make_mlp(), OPTIMIZERS["adam"]()
+    acc = gradaccum.GradientAccumulator(model.trainable_variables, steps=python_ramp)
+
+    @tf.function(jit_compile=jit_compile)
+    def step(xb, yb):
+        return acc.step(optimizer, grads_of(model, xb, yb), weight=4)
+
+    applied = [bool(step(x[4 * i:4 * i + 4], y[4 * i:4 * i + 4])) for i in range(14)]
+    assert [i + 1 for i, a in enumerate(applied) if a] == [1, 2, 4, 6, 10, 14]
+    assert_same_state(model, optimizer, reference, reference_opt)
+
+
+def test_pairs_may_be_an_array_of_shape_n_by_2():
+    acc = gradaccum.GradientAccumulator(make_mlp().trainable_variables, steps=np.array(RAMP))
+    assert acc.steps == tuple(RAMP)
+    with pytest.raises(ValueError) as info:
+        gradaccum.GradientAccumulator(make_mlp().trainable_variables, steps={0: 1, 2: 2})
+    assert str(info.value) == (
+        "`steps` must be an integer >= 1, a list of `(from_update, k)` pairs or a "
+        "callable `update_index -> int`. Received: steps={0: 1, 2: 2}"
+    )
 
 
 def test_the_schedule_position_is_saved_and_restored(tmp_path):
@@ -590,3 +649,62 @@ def test_a_budget_on_two_replicas_is_the_global_windows(door):
     assert_same_state(model, trainer.optimizer, reference, reference_opt)
     # One batched reduction per update, plus the budget's scalar per micro-batch.
     assert int(ops.reductions) == 4 + len(sizes)
+
+
+@pytest.mark.parametrize("door", ["wrap", "accumulate"])
+def test_backup_and_restore_on_two_replicas_continues_the_schedule(door, tmp_path):
+    """A scheduled fit on 2 replicas that crashes inside a window and resumes under
+    BackupAndRestore equals the uninterrupted run (the restored micro-batches are
+    skipped outside the compiled step, where the replicas cannot meet)."""
+    from test_distribute import mirrored
+
+    strategy = mirrored()
+    x, y = make_data(40)  # 5 micro-batches of 8 per epoch
+
+    def run(callbacks=(), seed=0):
+        keras.utils.clear_session()
+        with strategy.scope():
+            model = make_mlp(seed=seed)
+            trainer = make_trainer(door, model, steps=RAMP)
+            trainer.compile(OPTIMIZERS["adam"](), SCE)
+        trainer.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
+                    callbacks=list(callbacks))
+        return model, trainer
+
+    full, full_trainer = run()
+    full_weights = full.get_weights()
+    # Epoch 1: windows 1, 1, 2 and a flushed 1; epochs 2 and 3: 4 and a flushed 1.
+    assert int(full_trainer.optimizer.iterations.numpy()) == 8
+
+    class Crash(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            if (self.epoch, batch) == (1, 1):  # the 2nd micro-batch of update 4's 4
+                raise RuntimeError("simulated crash")
+
+    backup = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run([keras.callbacks.BackupAndRestore(backup, save_freq=1), Crash()])
+    resumed, trainer = run([keras.callbacks.BackupAndRestore(backup, save_freq=1)], seed=11)
+    assert int(trainer.optimizer.iterations.numpy()) == 8
+    for a, b in zip(resumed.get_weights(), full_weights):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_a_callable_autograph_cannot_convert_is_refused_when_made(door):
+    # Source AutoGraph cannot read (made by exec): Python `if` on the index fails.
+    namespace = {}
+    exec("def ramp(update):\n    if update < 2:\n        return 1\n    return 4\n", namespace)
+    prefix = (
+        "The `steps` callable must run in a traced step: written with TensorFlow ops, or "
+        "with Python control flow that AutoGraph can convert (its source in a file or a "
+        "notebook). Received: a callable that failed on a symbolic update index: "
+    )
+    with pytest.raises(ValueError) as info:
+        gradaccum.GradientAccumulator(make_mlp().trainable_variables, steps=namespace["ramp"])
+    assert str(info.value).startswith(prefix)
+    with pytest.raises(ValueError) as info:
+        make_trainer(door, make_mlp(), steps=namespace["ramp"])
+    assert str(info.value).startswith(prefix)

@@ -58,14 +58,12 @@ class Options:
                  micro_batch_size=None, max_micro_batch_size=None,
                  weight_per_update=None):
         self.partial = check_choice("partial", partial, PARTIALS)
-        (
-            self.steps, self.weight_per_update, self.micro_batch_size,
-            self.max_micro_batch_size,
-        ) = check_window_options(
+        self.micro_batch_size, self.max_micro_batch_size = check_window_options(
             steps, micro_batch_size, max_micro_batch_size, partial, weight_per_update
         )
-        # A schedule's callable is tried on update 0 now, before fit traces it.
-        _window.WindowRule(self.steps, self.weight_per_update)
+        # When a window closes, checked now (a schedule's callable is tried on
+        # update 0) and shared by every accumulator of the fit.
+        self.window = _window.WindowRule(steps, weight_per_update)
         self.weighting = check_weighting(weighting)
         self.reduction = check_choice("reduction", reduction, REDUCTIONS)
         self.accumulator_dtype = check_accumulator_dtype(accumulator_dtype).name
@@ -88,16 +86,25 @@ class Options:
         return self.micro_batch_size == "auto"
 
     @property
+    def steps(self):
+        """`steps` as checked: an int, the schedule (pairs as a tuple, or the
+        callable), or None."""
+        return self.window.steps
+
+    @property
+    def weight_per_update(self) -> float | None:
+        return self.window.weight_per_update
+
+    @property
     def window_per_call(self) -> int:
         """Micro-batches a compiled call runs by default (`steps_per_execution`
         "window"): the window's length when it is constant, else 1."""
-        return self.steps if isinstance(self.steps, int) else 1
+        return self.window.constant or 1
 
     def accumulator(self, variables, *, layers=None, name="gradient_accumulator"):
         return GradientAccumulator(
             variables,
-            steps=self.steps,
-            weight_per_update=self.weight_per_update,
+            steps=self.window,
             reduction=self.reduction,
             accumulator_dtype=self.accumulator_dtype,
             layers=layers,
@@ -370,10 +377,38 @@ class Accumulation:
         function = host.train_function
         if self.options.split and not getattr(function, "gradaccum_wrapped", False):
             if self.options.auto:
-                host.train_function = _retry.retrying(self, function)
+                function = _retry.retrying(self, function)
             else:
-                host.train_function = _retry.resetting_on_error(self, function)
+                function = _retry.resetting_on_error(self, function)
+        if self._skips_outside_the_step() and not getattr(function, "gradaccum_skips", False):
+            function = self._skipping_restored(function)
+        host.train_function = function
         return host.train_function
+
+    def _skips_outside_the_step(self) -> bool:
+        """Under several replicas the micro-batches a restored fit already trained
+        on are skipped outside the compiled step: there the step's replicas meet
+        (merge_call), which they cannot do inside a `tf.cond`."""
+        return self.resumable and self.host.distribute_strategy.num_replicas_in_sync > 1
+
+    def _skipping_restored(self, function):
+        """`function`, except while micro-batches restored by BackupAndRestore are
+        still to be skipped: then a call takes the next batch from the iterator and
+        drops it (Keras's multi-step function fails under several replicas, so a call
+        is one batch)."""
+        state = self.state
+
+        def train_function(iterator):
+            if int(state.resume_skip.numpy()) <= 0:
+                return function(iterator)
+            next(iterator)
+            state.resume_skip.assign(state.resume_skip - 1)
+            state.epoch_step.assign(state.epoch_step + 1)
+            return self.with_counters(self.host.get_metrics_result())
+
+        train_function.gradaccum_skips = True
+        train_function.gradaccum_wrapped = getattr(function, "gradaccum_wrapped", False)
+        return train_function
 
     def attach(self, host, own_step=None) -> None:
         """Attaches to `host`; `own_step` is the host's own `train_step` (bound), or
@@ -472,9 +507,10 @@ class Accumulation:
         `window_weight`), of the accumulator that applies with the updating
         optimizer; empty before there is one."""
         optimizer = self._updating_optimizer()
-        accumulators = [(self.state.accumulator, getattr(self.host, "optimizer", None))]
-        accumulators = accumulators if self.state.accumulator is not None else []
-        for acc, owner in accumulators + list(self.state.own):
+        accumulators = list(self.state.own)
+        if self.state.accumulator is not None:
+            accumulators.insert(0, (self.state.accumulator, self.host.optimizer))
+        for acc, owner in accumulators:
             if owner is optimizer:
                 return {
                     "window_micro_batches": acc.last_window_micro_batches,
@@ -609,7 +645,7 @@ class Accumulation:
             step = self.exact_step
         else:
             step = lambda data: self.intercepted_step(own_step, data)  # noqa: E731
-        if not self.resumable:
+        if not self.resumable or self._skips_outside_the_step():
             return self.with_counters(step(data))
         # Under BackupAndRestore a fit may restart inside an epoch and must skip the
         # micro-batches already trained on. The training branch is traced first:
@@ -639,7 +675,7 @@ class Accumulation:
         acc = self.state.accumulator
         # A window of one micro-batch on one device: G = w g / w = g, applied
         # without the accumulators' copy.
-        single = isinstance(self.options.steps, int) and self.options.steps == 1 and not (
+        single = self.options.window.constant == 1 and not (
             tf.distribute.has_strategy()
             or kc.is_loss_scale_optimizer(host.optimizer)
             or acc.batch_normalization_layers

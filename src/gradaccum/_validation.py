@@ -30,13 +30,23 @@ def check_steps(steps, *, allow_none: bool = False, name: str = "steps"):
 
 def check_steps_schedule(steps, *, allow_none: bool = False):
     """`steps` as an int, a callable `update_index -> int` (checked where it is
-    first called), or a schedule of `(from_update, k)` pairs returned as a tuple of
-    int pairs; or raises the fixed-form ValueError."""
+    first called), or a schedule of `(from_update, k)` pairs (a sequence, or an
+    array of shape (n, 2)) returned as a tuple of int pairs; or raises the
+    fixed-form ValueError."""
+    if steps is None and allow_none:
+        return None
     if callable(steps):
         return steps
+    if isinstance(steps, np.ndarray) and steps.ndim == 2:
+        steps = [tuple(pair) for pair in steps.tolist()]
     if isinstance(steps, Sequence) and not isinstance(steps, (str, bytes)):
         return check_step_pairs(steps)
-    return check_steps(steps, allow_none=allow_none)
+    if not _is_int(steps) or int(steps) < 1:
+        raise ValueError(
+            "`steps` must be an integer >= 1, a list of `(from_update, k)` pairs or a "
+            f"callable `update_index -> int`. Received: steps={steps!r}"
+        )
+    return int(steps)
 
 
 def _is_int(value) -> bool:
@@ -140,10 +150,11 @@ def check_window_options(steps, micro_batch_size, max_micro_batch_size, partial,
     """The window options together: `steps` (micro-batches per update, or a
     schedule of them), `weight_per_update` (a weight budget per update) or
     `micro_batch_size` (each batch split, one update per batch), exactly one; a cap
-    only with `"auto"`; no partial window to treat in split mode.
+    only with `"auto"`; no partial window to treat in split mode. The values of
+    `steps` and `weight_per_update` are `_window.WindowRule`'s to check.
 
     Returns:
-        (steps, weight_per_update, micro_batch_size, max_micro_batch_size), checked.
+        (micro_batch_size, max_micro_batch_size), checked.
     """
     if steps is not None and micro_batch_size is not None:
         raise ValueError(
@@ -167,7 +178,6 @@ def check_window_options(steps, micro_batch_size, max_micro_batch_size, partial,
             "Received: steps=None, weight_per_update=None, micro_batch_size=None"
         )
     micro_batch_size = check_micro_batch_size(micro_batch_size)
-    steps, weight_per_update = check_window_rule(steps, weight_per_update)
     cap = check_steps(max_micro_batch_size, allow_none=True, name="max_micro_batch_size")
     if cap is not None and micro_batch_size != "auto":
         raise ValueError(
@@ -181,7 +191,7 @@ def check_window_options(steps, micro_batch_size, max_micro_batch_size, partial,
             "window, so no window is ever left partial at the end of the data. "
             f"Received: partial={partial!r}"
         )
-    return steps, weight_per_update, micro_batch_size, cap
+    return micro_batch_size, cap
 
 
 def check_choice(name: str, value, choices: Sequence[str]) -> str:

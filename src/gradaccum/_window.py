@@ -29,6 +29,11 @@ class WindowRule:
     or a schedule by update index (a callable `update_index -> int`, or sorted
     `(from_update, k)` pairs), or once its total weight reaches `weight_per_update`.
 
+    A callable runs inside the traced training step: it is wrapped in a
+    `tf.function` (AutoGraph on), so Python `if`/`while` on the update index work as
+    TensorFlow control flow; Python side effects happen when it is traced, not
+    per call.
+
     Args:
         steps: as given to `GradientAccumulator` (checked here), or None.
         weight_per_update: a weight budget > 0, or None. Not with `steps`.
@@ -36,11 +41,24 @@ class WindowRule:
 
     def __init__(self, steps=None, weight_per_update=None):
         self.steps, self.weight_per_update = check_window_rule(steps, weight_per_update)
+        self._schedule = None
         if callable(self.steps):
-            # Called once now (update 0), eagerly: a wrong type or a first window
-            # of 0 is refused before anything is traced.
+            self._schedule = (
+                self.steps if hasattr(self.steps, "get_concrete_function")
+                else tf.function(self.steps, autograph=True)
+            )
+            # Called once now (update 0): a wrong type or a first window of 0 is
+            # refused before a training step is traced.
             with tf.init_scope():
-                self._checked_length(self.steps, tf.constant(0, tf.int64))
+                try:
+                    self._checked_length(tf.constant(0, tf.int64))
+                except tf.errors.OperatorNotAllowedInGraphError as error:
+                    raise ValueError(
+                        "The `steps` callable must run in a traced step: written with "
+                        "TensorFlow ops, or with Python control flow that AutoGraph can "
+                        "convert (its source in a file or a notebook). Received: a "
+                        f"callable that failed on a symbolic update index: {error}"
+                    ) from error
 
     @property
     def constant(self) -> int | None:
@@ -56,8 +74,8 @@ class WindowRule:
         """The length (int64 tensor) of the window that makes update `update_index`
         (counted from 0): the schedule's value there."""
         update_index = tf.cast(update_index, tf.int64)
-        if callable(self.steps):
-            return self._checked_length(self.steps, update_index)
+        if self._schedule is not None:
+            return self._checked_length(update_index)
         if self.constant is not None:
             return tf.constant(self.constant, tf.int64)
         starts = tf.constant([start for start, _ in self.steps], tf.int64)
@@ -66,10 +84,9 @@ class WindowRule:
         position = tf.searchsorted(starts, tf.reshape(update_index, [1]), side="right")
         return lengths[position[0] - 1]
 
-    @staticmethod
-    def _checked_length(schedule, update_index):
+    def _checked_length(self, update_index):
         value = check_callable_result(
-            schedule(update_index),
+            self._schedule(update_index),
             "steps",
             kind="an integer >= 1",
             scalar="a scalar integer >= 1",
@@ -88,7 +105,7 @@ class WindowRule:
             [f"{_SCHEDULE_RULE} Received:", value, "for update_index=", update_index],
         )
         with tf.control_dependencies([check]):
-            # Under XLA the assertion compiles away: a length below 1 acts as 1.
+            # XLA compiles the assertion away: there a length below 1 acts as 1.
             return tf.maximum(tf.identity(value), 1)
 
 

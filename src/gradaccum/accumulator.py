@@ -171,7 +171,10 @@ class GradientAccumulator(tf.Module):
     ):
         super().__init__(name=name)
         variables = check_variables(variables)
-        self._rule = WindowRule(steps, weight_per_update)
+        # The fit integration passes the WindowRule it checked already.
+        self._rule = (
+            steps if isinstance(steps, WindowRule) else WindowRule(steps, weight_per_update)
+        )
         self._reduction = check_choice("reduction", reduction, REDUCTIONS)
         self._accumulator_dtype = check_accumulator_dtype(accumulator_dtype)
         self._nonfinite = check_nonfinite(nonfinite)
@@ -297,7 +300,8 @@ class GradientAccumulator(tf.Module):
                 weight = tf.distribute.get_replica_context().all_reduce("sum", weight)
             return weight >= tf.cast(rule.weight_per_update, weight.dtype)
         if rule.scheduled:
-            return self.window_length() >= state.window_steps
+            length = self.window_length()
+            return tf.logical_and(length > 0, length >= state.window_steps)
         if rule.constant is not None:
             return self.window_length() >= rule.constant
         return tf.constant(False)
