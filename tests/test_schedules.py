@@ -708,3 +708,36 @@ def test_a_callable_autograph_cannot_convert_is_refused_when_made(door):
     with pytest.raises(ValueError) as info:
         make_trainer(door, make_mlp(), steps=namespace["ramp"])
     assert str(info.value).startswith(prefix)
+
+
+def test_a_two_optimizer_own_step_on_two_replicas_with_a_schedule():
+    """A GAN-style train_step (two optimizers, raw means) on 2 replicas: its
+    accumulators are made in the traced step (the replicas meet for it), and the
+    ramp's windows train as Keras's own fit on those windows does on 2 replicas."""
+    from test_accumulate import TwoOptimizers, data, seeded
+    from test_distribute import mirrored
+
+    # Keras's own fit of this model fails under the default collective all-reduce
+    # (a placeholder in its step's optimizer branch): the reference needs another.
+    strategy = mirrored(tf.distribute.ReductionToOneDevice())
+    x, y = data(64)
+    sizes = [8, 8, 16, 16, 16]  # the windows of [(0, 1), (2, 2)] over 8 micro-batches
+    starts = np.cumsum([0, *sizes])
+
+    def two_optimizers(accumulated):
+        with strategy.scope():
+            model = seeded(TwoOptimizers())
+            if accumulated:
+                gradaccum.accumulate(model, steps=[(0, 1), (2, 2)])
+            model.compile(keras.optimizers.Adam(0.05), keras.optimizers.SGD(0.2))
+        return model
+
+    reference = two_optimizers(False)
+    for a, b in zip(starts[:-1], starts[1:]):  # one batch per window
+        reference.fit(x[a:b], y[a:b], batch_size=b - a, epochs=1, verbose=0)
+    model = two_optimizers(True)
+    history = model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert history.history["updates"] == [5.0]
+    assert int(model.opt_a.iterations.numpy()) == int(model.opt_b.iterations.numpy()) == 5
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

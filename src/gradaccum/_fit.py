@@ -313,6 +313,8 @@ class Accumulation:
         self._redirect_users = 0
         self._pending = {}
         self._own_step = None
+        # A model's own step: the optimizers it handed gradients to, in order.
+        self._handed = []
         # `accumulate`: the compile the user made, restored by `disable`.
         self.user_compile_config = None
         # Split mode: whether XLA compiles each micro-batch (the host's jit_compile),
@@ -428,6 +430,7 @@ class Accumulation:
             }
             self._pending = {**saved, **self._pending}
         self.state = None
+        self._handed = []
         self._end_of_data_function = None
 
     # fit -----------------------------------------------------------------------
@@ -524,7 +527,9 @@ class Accumulation:
         other optimizers (a GAN's, created in its `compile`: `model.optimizer` is then
         Keras's unused default). Known once the step is traced."""
         optimizer = getattr(self.host, "optimizer", None)
-        used = [owner for _, owner in self.state.own]
+        # The optimizers the step handed gradients to (under several replicas
+        # `model.optimizer` has an accumulator made before tracing, used or not).
+        used = list(self._handed) or [owner for _, owner in self.state.own]
         if not used or any(owner is optimizer for owner in used):
             return optimizer
         return used[0]
@@ -849,6 +854,8 @@ class Accumulation:
     def _accumulate_own(self, optimizer, grads, trainable_variables):
         local = self._local
         local.intercepted += 1
+        if all(optimizer is not other for other in self._handed):
+            self._handed.append(optimizer)
         grads = list(grads)
         if trainable_variables is None:
             trainable_variables = kc.optimizer_variables_of(optimizer)
@@ -878,6 +885,21 @@ class Accumulation:
         return optimizer.iterations
 
     def _own_accumulator(self, optimizer, variables, occurrence=0):
+        found = self._find_own(optimizer, variables, occurrence)
+        if found is not None:
+            return found
+        if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
+            # A replica cannot create the strategy's variables (a GAN's second
+            # optimizer, met in the traced step): the replicas, which trace the same
+            # step, meet here and one cross-replica call makes the accumulator.
+            tf.distribute.get_replica_context().merge_call(
+                lambda _: self._find_own(optimizer, variables, occurrence)
+                or self._new_own(optimizer, variables)
+            )
+            return self._find_own(optimizer, variables, occurrence)
+        return self._new_own(optimizer, variables)
+
+    def _find_own(self, optimizer, variables, occurrence):
         for acc, owner in self.state.own:
             if owner is optimizer and len(acc.target_variables) == len(variables) and all(
                 a is b for a, b in zip(acc.target_variables, variables)
@@ -885,6 +907,9 @@ class Accumulation:
                 if occurrence == 0:
                     return acc
                 occurrence -= 1
+        return None
+
+    def _new_own(self, optimizer, variables):
         layers = self._layers.value if not self.state.own else None
         name = f"gradaccum_own_{len(self.state.own)}"
         # Made (and given any restored values) outside the step being traced, once.
