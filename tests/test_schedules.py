@@ -54,15 +54,39 @@ def pairs_length(pairs):
     return lambda u: [k for start, k in pairs if start <= u][-1]
 
 
-def reference_on_windows(windows, x, y, batch, optimizer):
-    """Plain Keras: one step per window on its concatenated samples."""
+def reference_on_rows(x, y, windows_rows, optimizer):
+    """Plain Keras: one step per window on its samples (an index or a slice)."""
     model = make_mlp()
-    for window in windows:
-        rows = np.concatenate([np.arange(i * batch, (i + 1) * batch) for i in window])
+    for rows in windows_rows:
         optimizer.apply_gradients(
             zip(grads_of(model, x[rows], y[rows]), model.trainable_variables)
         )
     return model
+
+
+def reference_on_windows(windows, x, y, batch, optimizer):
+    """Plain Keras: one step per window of micro-batches of `batch` samples."""
+    return reference_on_rows(
+        x, y,
+        [np.concatenate([np.arange(i * batch, (i + 1) * batch) for i in w]) for w in windows],
+        optimizer,
+    )
+
+
+def uneven_batches(sizes, seed=1):
+    x, y = make_data(sum(sizes), seed=seed)
+    starts = np.cumsum([0, *sizes])
+
+    def gen():
+        for start, stop in zip(starts[:-1], starts[1:]):
+            yield x[start:stop], y[start:stop]
+
+    spec = (tf.TensorSpec((None, 5), tf.float32), tf.TensorSpec((None,), tf.int32))
+    dataset = tf.data.Dataset.from_generator(gen, output_signature=spec)
+    # A known length: fit makes no extra call to find the end of the data.
+    return x, y, starts, dataset.apply(tf.data.experimental.assert_cardinality(len(sizes)))
+
+
 
 
 class BatchLogs(keras.callbacks.Callback):
@@ -150,38 +174,6 @@ def test_dropped_windows_do_not_advance_the_schedule(door):
     assert_same_state(trained(door, trainer), trainer.optimizer, reference, reference_opt)
 
 
-def test_a_callable_schedule_in_fit_with_tensor_arithmetic(door):
-    # k = min(2 ** (u // 2), 4): 1, 1, 2, 2, 4, 4.
-    def schedule(update):
-        return tf.minimum(2 ** (update // 2), 4)
-
-    x, y = make_data(14 * 4)
-    reference_opt = OPTIMIZERS["adam"]()
-    reference = reference_on_windows(
-        schedule_windows(14, pairs_length(RAMP)), x, y, 4, reference_opt
-    )
-    model = make_mlp()
-    trainer = make_trainer(door, model, steps=schedule)
-    trainer.compile(OPTIMIZERS["adam"](), SCE, jit_compile=False)
-    trainer.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
-    assert int(trainer.optimizer.iterations) == 6
-    assert_same_state(trained(door, trainer), trainer.optimizer, reference, reference_opt)
-
-
-def test_a_schedule_under_jit_compile_equals_plain_training():
-    x, y = make_data(14 * 4)
-    reference_opt = OPTIMIZERS["adam"]()
-    reference = reference_on_windows(
-        schedule_windows(14, pairs_length(RAMP)), x, y, 4, reference_opt
-    )
-    model = make_mlp()
-    trainer = gradaccum.accumulate(model, steps=ramp_length)
-    trainer.compile(OPTIMIZERS["adam"](), SCE, jit_compile=True)
-    trainer.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
-    assert int(trainer.optimizer.iterations) == 6
-    assert_same_state(model, trainer.optimizer, reference, reference_opt)
-
-
 @pytest.mark.parametrize("eager", [False, True], ids=["function", "eager"])
 def test_the_window_length_is_read_when_the_window_opens(eager):
     # A schedule read once per window: a callable that counts its calls runs once at
@@ -221,15 +213,21 @@ def python_ramp(update):
     return k
 
 
+def power_ramp(update):
+    """The ramp with tensor arithmetic: min(2 ** (u // 2), 4)."""
+    return tf.minimum(2 ** (update // 2), 4)
+
+
 @pytest.mark.parametrize("jit_compile", [False, True])
-def test_a_callable_schedule_with_python_control_flow(door, jit_compile):
+@pytest.mark.parametrize("schedule", [power_ramp, python_ramp], ids=["tensor", "python"])
+def test_a_callable_schedule_in_fit_and_in_a_custom_loop(door, schedule, jit_compile):
     x, y = make_data(14 * 4)
     reference_opt = OPTIMIZERS["adam"]()
     reference = reference_on_windows(
         schedule_windows(14, pairs_length(RAMP)), x, y, 4, reference_opt
     )
     model = make_mlp()
-    trainer = make_trainer(door, model, steps=python_ramp)
+    trainer = make_trainer(door, model, steps=schedule)
     trainer.compile(OPTIMIZERS["adam"](), SCE, jit_compile=jit_compile)
     trainer.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
     assert int(trainer.optimizer.iterations) == 6
@@ -237,7 +235,7 @@ def test_a_callable_schedule_with_python_control_flow(door, jit_compile):
 
     # And in a custom loop's tf.function.
     model, optimizer = make_mlp(), OPTIMIZERS["adam"]()
-    acc = gradaccum.GradientAccumulator(model.trainable_variables, steps=python_ramp)
+    acc = gradaccum.GradientAccumulator(model.trainable_variables, steps=schedule)
 
     @tf.function(jit_compile=jit_compile)
     def step(xb, yb):
@@ -294,23 +292,10 @@ def test_the_schedule_position_is_saved_and_restored(tmp_path):
 def test_growing_batches_in_split_mode_are_the_pipelines_schedule(door):
     # Split mode makes each batch one window: a ramp of the batch is the data's
     # (batches of 4, 8, 16, 16 here), each split into micro-batches of 4.
-    x, y = make_data(44)
-    sizes = [4, 8, 16, 16]
-    starts = np.cumsum([0, *sizes])
+    x, y, starts, dataset = uneven_batches([4, 8, 16, 16])
     reference_opt = OPTIMIZERS["adam"]()
-    reference = make_mlp()
-    for start, stop in zip(starts[:-1], starts[1:]):
-        reference_opt.apply_gradients(
-            zip(grads_of(reference, x[start:stop], y[start:stop]), reference.trainable_variables)
-        )
-
-    def batches():
-        for start, stop in zip(starts[:-1], starts[1:]):
-            yield x[start:stop], y[start:stop]
-
-    dataset = tf.data.Dataset.from_generator(
-        batches,
-        output_signature=(tf.TensorSpec((None, 5), tf.float32), tf.TensorSpec((None,), tf.int32)),
+    reference = reference_on_rows(
+        x, y, [slice(a, b) for a, b in zip(starts[:-1], starts[1:])], reference_opt
     )
     model = make_mlp()
     trainer = make_trainer(door, model, micro_batch_size=4)
@@ -604,20 +589,6 @@ def test_a_schedule_or_a_budget_with_micro_batch_size_is_refused(door):
 # Several replicas -------------------------------------------------------------------
 
 
-def uneven_batches(sizes, seed=1):
-    x, y = make_data(sum(sizes), seed=seed)
-    starts = np.cumsum([0, *sizes])
-
-    def gen():
-        for start, stop in zip(starts[:-1], starts[1:]):
-            yield x[start:stop], y[start:stop]
-
-    spec = (tf.TensorSpec((None, 5), tf.float32), tf.TensorSpec((None,), tf.int32))
-    dataset = tf.data.Dataset.from_generator(gen, output_signature=spec)
-    # A known length: fit makes no extra call to find the end of the data.
-    return x, y, starts, dataset.apply(tf.data.experimental.assert_cardinality(len(sizes)))
-
-
 @pytest.mark.parametrize("door", ["wrap", "accumulate"])
 def test_a_budget_on_two_replicas_is_the_global_windows(door):
     """The budget counts the global window's weight (the replicas' shares summed),
@@ -629,12 +600,10 @@ def test_a_budget_on_two_replicas_is_the_global_windows(door):
     x, y, starts, dataset = uneven_batches(sizes)
     bounds = [0, 3, 5, 8, 10]
     reference_opt = OPTIMIZERS["adam"]()
-    reference = make_mlp()
-    for first, last in zip(bounds[:-1], bounds[1:]):
-        rows = slice(starts[first], starts[last])
-        reference_opt.apply_gradients(
-            zip(grads_of(reference, x[rows], y[rows]), reference.trainable_variables)
-        )
+    reference = reference_on_rows(
+        x, y, [slice(starts[a], starts[b]) for a, b in zip(bounds[:-1], bounds[1:])],
+        reference_opt,
+    )
 
     ops = gradaccum.CountingCrossDeviceOps()
     strategy = mirrored(ops)
