@@ -77,8 +77,9 @@ class GradientAccumulator(tf.Module):
             position saved with the state): a list of `(from_update, k)` pairs,
             sorted and starting at 0 (`[(0, 1), (2, 2), (4, 4)]`: two updates of 1
             micro-batch, two of 2, then 4), or a callable `update_index -> int`
-            that gets an int64 scalar tensor and returns an integer >= 1 (written
-            with tensor arithmetic or TensorFlow ops: it runs in the traced step).
+            that gets an int64 scalar tensor and returns an integer >= 1 (it runs
+            in the traced step as a `tf.function`: tensor arithmetic, TensorFlow
+            ops, or Python control flow that AutoGraph converts).
             A window's length is read when it opens. `None` when the caller
             decides when to `apply`.
         weight_per_update: instead of `steps`, a weight budget: `step` closes the
