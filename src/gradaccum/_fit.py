@@ -95,11 +95,12 @@ class Options:
     def weight_per_update(self) -> float | None:
         return self.window.weight_per_update
 
-    @property
-    def window_per_call(self) -> int:
+    def steps_per_execution(self, replicas: int) -> int:
         """Micro-batches a compiled call runs by default (`steps_per_execution`
-        "window"): the window's length when it is constant, else 1."""
-        return self.window.constant or 1
+        "window"): the window's length when it is constant, else 1 (schedules,
+        budgets, split mode); 1 under several replicas, where Keras's multi-step
+        train function fails (keras issue 19246)."""
+        return (self.window.constant or 1) if replicas == 1 else 1
 
     def accumulator(self, variables, *, layers=None, name="gradient_accumulator"):
         return GradientAccumulator(

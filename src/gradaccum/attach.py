@@ -303,10 +303,8 @@ def _recompile(model, accumulation, *, user_config, steps_per_execution_given):
     if accumulation.options.weighting == "exact" and config.get("loss") is not None:
         config["loss"] = record_normalizers(config["loss"], accumulation.normalizers)
     if not steps_per_execution_given:
-        replicas = model.distribute_strategy.num_replicas_in_sync
-        # Split mode, schedules and budgets: one call per batch.
-        config["steps_per_execution"] = (
-            accumulation.options.window_per_call if replicas == 1 else 1
+        config["steps_per_execution"] = accumulation.options.steps_per_execution(
+            model.distribute_strategy.num_replicas_in_sync
         )
     keras.Model.compile(model, **config)
     kc.set_compile_config(model, user_config)

@@ -130,9 +130,8 @@ class AccumulatingModel(keras.Model):
         issue 19246, "You must feed a value for placeholder tensor").
         """
         if steps_per_execution == "window":
-            replicas = self.distribute_strategy.num_replicas_in_sync
-            steps_per_execution = (
-                self._accumulation.options.window_per_call if replicas == 1 else 1
+            steps_per_execution = self._accumulation.options.steps_per_execution(
+                self.distribute_strategy.num_replicas_in_sync
             )
         optimizer = keras.optimizers.get(optimizer)
         check_optimizer(optimizer)
