@@ -1,8 +1,29 @@
 """Test session set-up shared by tests/ and the doctests under src/."""
 
+import importlib.util
 import os
+import pathlib
+
+import pytest
+from hypothesis import settings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+# `bash scripts/test.sh --fast` loads this profile (`--hypothesis-profile=fast`); the
+# full suite runs the examples each test asks for.
+settings.register_profile("fast", max_examples=3)
+
+TESTS = pathlib.Path(__file__).resolve().parent / "tests"
+
+
+def _tiers():
+    spec = importlib.util.spec_from_file_location("tiers", TESTS / "tiers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TIERS = _tiers()
 
 
 def pytest_configure(config):
@@ -16,3 +37,46 @@ def pytest_configure(config):
         )
     except RuntimeError:  # TensorFlow has started already
         pass
+
+
+def _node(item) -> str | None:
+    """The item's node id relative to tests/, or None outside tests/."""
+    path = pathlib.Path(str(item.path))
+    if TESTS not in path.parents:
+        return None
+    return path.relative_to(TESTS).as_posix() + item.nodeid[len(item.nodeid.split("::")[0]):]
+
+
+def _named(node: str, keys) -> bool:
+    return any(TIERS.matches(node, key) for key in keys)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Applies tests/tiers.py: markers by table, FEATURES never slow, and a check that
+    every key of its tables still names a collected test (a renamed test fails the
+    collection instead of silently changing tier)."""
+    nodes = {item: _node(item) for item in items}
+    features = TIERS.FEATURES.values()
+    for item, node in nodes.items():
+        if node is None:
+            continue
+        for marker, keys in TIERS.MARKERS.items():
+            if marker == "slow" and _named(node, features):
+                continue
+            if _named(node, keys):
+                item.add_marker(marker)
+    if any("::" in arg for arg in config.args):
+        return  # single tests asked for by id: the modules are not whole
+    modules = {node.split("::")[0] for node in nodes.values() if node}
+    tables = {f"FEATURES[{feature!r}]": [key] for feature, key in TIERS.FEATURES.items()}
+    tables.update({name: getattr(TIERS, name) for name in
+                   ("SLOW", "HUB", "MULTI_DEVICE", "SUBPROCESS", "BOTH_DOORS")})
+    for table, keys in tables.items():
+        for key in keys:
+            if key.split("::")[0] in modules and not any(
+                node and TIERS.matches(node, key) for node in nodes.values()
+            ):
+                raise pytest.UsageError(
+                    f"tests/tiers.py: {table} names {key!r}, which is not a collected test."
+                )

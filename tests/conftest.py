@@ -11,6 +11,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+import tiers  # noqa: E402
+
 OPTIMIZERS = {
     "sgd": lambda: keras.optimizers.SGD(0.1),
     "sgd_nesterov": lambda: keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True),
@@ -69,7 +71,9 @@ def assert_same_state(model_a, opt_a, model_b, opt_b, rtol=1e-5, atol=1e-6):
 
 @pytest.fixture(autouse=True)
 def _fresh_keras_session():
-    keras.utils.clear_session()
+    # Without the garbage collection Keras runs by default: in a long session it
+    # costs seconds per test, and Python collects the same cycles on its own.
+    keras.utils.clear_session(free_memory=False)
     yield
 
 
@@ -78,10 +82,18 @@ def _fresh_keras_session():
 DOORS = ("wrap", "accumulate")
 
 
-@pytest.fixture(params=DOORS)
-def door(request):
-    """Each test that trains through gradaccum runs once per door."""
-    return request.param
+def pytest_generate_tests(metafunc):
+    """A test taking `door` runs through `accumulate`, and through both doors when
+    tests/tiers.py lists it in BOTH_DOORS (what `wrap` does of its own)."""
+    if "door" not in metafunc.fixturenames:
+        return
+    for mark in metafunc.definition.iter_markers("parametrize"):
+        names = mark.args[0]
+        if "door" in ([n.strip() for n in names.split(",")] if isinstance(names, str) else names):
+            return  # the test names its doors itself
+    node = f"{metafunc.module.__name__}.py::{metafunc.function.__name__}"
+    doors = DOORS if any(tiers.matches(node, key) for key in tiers.BOTH_DOORS) else DOORS[1:]
+    metafunc.parametrize("door", doors)
 
 
 def make_trainer(door, model, **options):

@@ -174,3 +174,16 @@ def test_gpt2_task_with_a_token_budget_and_a_per_token_loss():
     assert int(task.optimizer.iterations) == int(reference.optimizer.iterations)
     assert max_gap(task, hub_models.make_task(seed=0)) > 1e-3
     assert_weights_close(task, reference, rtol=1e-5)
+
+
+def test_gpt2_task_on_strings_split_inside_the_step():
+    """KerasHub: the task's own fit preprocesses 24 strings in batches of 8; each
+    batch is split 3 + 3 + 2 inside the step; equal to the task fitted at 8."""
+    texts = hub_models.make_texts()
+    task = gradaccum.accumulate(hub_models.make_task(seed=0), micro_batch_size=3)
+    history = task.fit(texts, batch_size=8, shuffle=False, verbose=0)
+    reference = hub_models.reference_fit_on_windows(hub_models.make_task(seed=0), texts, [8, 8, 8])
+    assert max_gap(task, hub_models.make_task(seed=0)) > 1e-3
+    assert_weights_close(task, reference, rtol=1e-5)
+    assert int(task.optimizer.iterations) == 3
+    assert history.history["updates"] == [3.0]

@@ -98,7 +98,6 @@ def bn_model(layer_cls, seed=0):
     )
 
 
-@pytest.mark.parametrize("door", ["wrap", "accumulate"])
 def test_fit_moves_statistics_once_per_update_with_partial_windows(door):
     """Through `wrap` or `accumulate`: 3 epochs of 7 micro-batches, steps 3 (3 + 3 + 1 flushed): the
     moving statistics equal a Keras layer fed each window as one batch."""
@@ -124,7 +123,6 @@ def test_fit_moves_statistics_once_per_update_with_partial_windows(door):
     )
 
 
-@pytest.mark.parametrize("door", ["wrap", "accumulate"])
 def test_dropped_partial_window_leaves_the_statistics_alone(door):
     rng = np.random.default_rng(2)
     x = rng.normal(size=(10, 5)).astype("float32")

@@ -22,8 +22,6 @@ import gradaccum
 from gradaccum.attach import accumulation_of
 from test_keras_model import SCE, data, mlp, plan_windows, reference_fit
 
-DOORS = ["wrap", "accumulate"]
-
 
 def trainer_of(door, model, **options):
     """What to compile and fit: wrap's trainer, or the model itself (accumulate)."""
@@ -121,7 +119,6 @@ def test_custom_loop_on_two_replicas_equals_one_device_on_the_global_windows():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("door", DOORS)
 def test_fit_on_two_replicas_equals_one_device_adam_epochs_partial_window(door):
     strategy = mirrored()
     x, y = data(50)
@@ -146,7 +143,6 @@ def test_fit_on_two_replicas_equals_one_device_adam_epochs_partial_window(door):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("door", DOORS)
 def test_a_replica_share_with_a_non_finite_gradient_is_dropped_with_its_weight(door):
     """nonfinite="skip" screens each replica's share: the poisoned share (rows 0-3 of
     the first micro-batch, on replica 0) is dropped, the other replica's share of
@@ -205,7 +201,6 @@ def test_clipping_acts_on_the_reduced_gradient(clip):
 # Communication: one reduction per update ------------------------------------------
 
 
-@pytest.mark.parametrize("door", DOORS)
 @pytest.mark.parametrize("steps", [1, 4, 16])
 def test_one_cross_replica_reduction_per_update_in_fit(steps, door):
     ops = gradaccum.CountingCrossDeviceOps()

@@ -98,7 +98,6 @@ def test_apply_is_keras_behaviour():
 DOORS = {"wrap": gradaccum.wrap, "accumulate": gradaccum.accumulate}
 
 
-@pytest.mark.parametrize("door", DOORS)
 @pytest.mark.parametrize("steps", [1, 3])
 def test_fit_skips_by_default_and_shows_the_counter(steps, door):
     x, y = make_data(24)
@@ -118,7 +117,6 @@ def test_fit_skips_by_default_and_shows_the_counter(steps, door):
     assert_same_state(model, trainer.optimizer, ref_model, ref_opt, rtol=1e-5)
 
 
-@pytest.mark.parametrize("door", DOORS)
 def test_fit_raise_stops_at_the_micro_batch(door):
     x, y = make_data(16)
     trainer = DOORS[door](make_mlp(), steps=2, nonfinite="raise")
@@ -127,7 +125,6 @@ def test_fit_raise_stops_at_the_micro_batch(door):
         trainer.fit(poisoned(x, 13), y, batch_size=4, shuffle=False, verbose=0)
 
 
-@pytest.mark.parametrize("door", DOORS)
 def test_fit_apply_lets_nan_through_as_keras_does(door):
     x, y = make_data(16)
     model = make_mlp()
@@ -138,7 +135,6 @@ def test_fit_apply_lets_nan_through_as_keras_does(door):
     assert np.isnan(model.get_weights()[0]).all()
 
 
-@pytest.mark.parametrize("door", DOORS)
 def test_raise_under_xla_raises_after_the_compiled_call(door):
     """XLA compiles the step's assertion away: the micro-batch is skipped, and fit
     raises after the compiled call that skipped it."""

@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 
 import gradaccum
-from test_distribute import DOORS, OwnStepMLP, mirrored, state_of, trainer_of
+from test_distribute import OwnStepMLP, mirrored, state_of, trainer_of
 from test_keras_model import SCE, data, mlp, plan_windows, reference_fit
 
 
@@ -33,9 +33,7 @@ def per_replica(strategy, variable):
 # Reduction "sum" ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "door, own_step", [("wrap", False), ("accumulate", False), ("accumulate", True)]
-)
+@pytest.mark.parametrize("own_step", [False, True])
 def test_reduction_sum_on_two_replicas_equals_one_device(door, own_step):
     """G = the sum of the micro-batches' gradients: the replicas' gradients of
     Keras's loss (divided by the replica count) summed, as Keras's optimizer does."""
@@ -89,7 +87,6 @@ def fit_on_two_replicas(door, x, y, ops=None, optimizer=lambda: keras.optimizers
     return strategy, model, trainer, history
 
 
-@pytest.mark.parametrize("door", DOORS)
 def test_mixed_float16_on_two_replicas_equals_one_device(door, mixed_float16):
     x, y = data(50)
     windows, _ = plan_windows(50, 8, 3, epochs=2)  # 7 micro-batches: 3 + 3 + 1 (of 2)
@@ -110,7 +107,6 @@ def test_mixed_float16_on_two_replicas_equals_one_device(door, mixed_float16):
     assert per_replica(strategy, trainer.optimizer.step_counter) == [14.0] * 2
 
 
-@pytest.mark.parametrize("door", DOORS)
 def test_an_overflowing_replica_share_is_dropped_and_both_replicas_back_off(
     door, mixed_float16
 ):
@@ -275,7 +271,6 @@ def keras_moving_statistics(windows, x, momentum=0.9):
     return layer.moving_mean.numpy(), layer.moving_variance.numpy()
 
 
-@pytest.mark.parametrize("door", DOORS)
 def test_moving_statistics_of_two_replicas_equal_keras_on_the_global_window(door):
     x, y = shifted_data(48)  # micro-batches of 16: 8 rows per replica, 3 per window
     strategy = mirrored()
@@ -291,7 +286,6 @@ def test_moving_statistics_of_two_replicas_equal_keras_on_the_global_window(door
     assert float(bn.window_count.numpy().max()) == 0.0  # nothing pending
 
 
-@pytest.mark.parametrize("door", DOORS)
 def test_moving_statistics_with_partial_windows_over_epochs(door):
     x, y = shifted_data(56)  # 16, 16, 16, 8: windows of 3, then a partial 1 (flush)
     windows, _ = plan_windows(56, 16, 3, epochs=2)
@@ -425,7 +419,6 @@ def test_window_statistics_pool_exactly_far_from_zero(offset):
     np.testing.assert_allclose(bn.moving_variance.numpy(), variance, rtol=1e-4)
 
 
-@pytest.mark.parametrize("door", DOORS)
 @pytest.mark.parametrize("saved_on, restored_on", [(2, 1), (1, 2)])
 def test_a_pending_window_restores_exactly_on_another_replica_count(
     door, saved_on, restored_on, tmp_path

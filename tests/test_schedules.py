@@ -589,7 +589,6 @@ def test_a_schedule_or_a_budget_with_micro_batch_size_is_refused(door):
 # Several replicas -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("door", ["wrap", "accumulate"])
 def test_a_budget_on_two_replicas_is_the_global_windows(door):
     """The budget counts the global window's weight (the replicas' shares summed),
     so both replicas close the same windows, those of one device."""
@@ -620,7 +619,6 @@ def test_a_budget_on_two_replicas_is_the_global_windows(door):
     assert int(ops.reductions) == 4 + len(sizes)
 
 
-@pytest.mark.parametrize("door", ["wrap", "accumulate"])
 def test_backup_and_restore_on_two_replicas_continues_the_schedule(door, tmp_path):
     """A scheduled fit on 2 replicas that crashes inside a window and resumes under
     BackupAndRestore equals the uninterrupted run (the restored micro-batches are

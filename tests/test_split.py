@@ -14,7 +14,6 @@ import pytest
 import tensorflow as tf
 
 import gradaccum
-import hub_models
 from conftest import assert_same_state, make_trainer, trained
 from gradaccum import _split
 from gradaccum.attach import accumulation_of
@@ -164,19 +163,6 @@ def test_two_optimizers_of_an_own_step_each_update_once_per_batch():
     model.fit(x, y, batch_size=40, epochs=2, shuffle=False, verbose=0)
     assert_weights_close(model, reference, rtol=1e-5)
     assert int(model.opt_a.iterations) == int(model.opt_b.iterations) == 6
-
-
-def test_gpt2_task_on_strings_split_inside_the_step():
-    """KerasHub: the task's own fit preprocesses 24 strings in batches of 8; each
-    batch is split 3 + 3 + 2 inside the step; equal to the task fitted at 8."""
-    texts = hub_models.make_texts()
-    task = gradaccum.accumulate(hub_models.make_task(seed=0), micro_batch_size=3)
-    history = task.fit(texts, batch_size=8, shuffle=False, verbose=0)
-    reference = hub_models.reference_fit_on_windows(hub_models.make_task(seed=0), texts, [8, 8, 8])
-    assert max_gap(task, hub_models.make_task(seed=0)) > 1e-3
-    assert_weights_close(task, reference, rtol=1e-5)
-    assert int(task.optimizer.iterations) == 3
-    assert history.history["updates"] == [3.0]
 
 
 # Updates, callbacks, schedules --------------------------------------------------------

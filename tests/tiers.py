@@ -1,0 +1,230 @@
+"""The suite's tiers, in one table: which tests are slow, which need KerasHub, several
+devices or a child process, and which tests run through both doors.
+
+`tests/conftest.py` applies it at collection. Keys are node ids without parameters,
+relative to `tests/` (`"test_x.py"` is the whole module, `"test_x.py::test_y"` one test
+with all its parameters, `"test_x.py::test_y[p]"` one case). The markers are registered
+in pyproject.toml and pytest runs with `--strict-markers`.
+
+- `slow`: left out of the fast tier (`bash scripts/test.sh --fast`, `-m "not slow"`).
+  The fast tier keeps one large-batch equivalence per public feature (`FEATURES`:
+  collection fails if one of them is renamed away or marked slow), the bad-input
+  tests, the catalogue of docs/bad-input.md, the doctests and the README's code.
+- `hub`: needs keras-hub (the README's test install provides it; missing, these fail).
+- `multi_device`: runs on the two logical CPU devices the root conftest makes.
+- `subprocess`: starts Python processes of its own (TensorFlow starts in each).
+
+Doors: a test that takes the `door` fixture trains through `accumulate` only, unless it
+is in `BOTH_DOORS`. Both doors run the same `_fit.Accumulation`; what `wrap` has of its
+own (its compile, config, saving, evaluate, batch-norm conversion, argument checks) is
+what `BOTH_DOORS` lists.
+"""
+
+from __future__ import annotations
+
+# One large-batch equivalence (or the one behaviour) per public feature, in the fast tier.
+FEATURES = {
+    "GradientAccumulator, every optimizer, unequal micro-batches":
+        "test_accumulator.py::test_unequal_micro_batches_weighted_by_size_match_large_batch",
+    "GradientAccumulator, reduction='sum'":
+        "test_accumulator.py::test_sum_reduction_matches_summed_gradient",
+    "GradientAccumulator, checkpoint in the middle of a window":
+        "test_accumulator.py::test_checkpoint_restores_a_window_in_the_middle",
+    "accumulate and wrap, Keras's default step, unequal micro-batches":
+        "test_keras_model.py::test_batch_40_as_16_16_8_equals_one_large_step_and_keras_builtin_does_not",
+    "accumulate, masks and sample weights":
+        "test_keras_model.py::test_masked_sequences_of_unequal_length_with_sample_weights_are_exact",
+    "accumulate, iterations and LR schedules count updates":
+        "test_keras_model.py::test_iterations_and_lr_schedule_advance_once_per_update",
+    "accumulate, partial='carry'":
+        "test_keras_model.py::test_partial_carry_keeps_the_window_open_across_epochs",
+    "accumulate, partial='drop'":
+        "test_keras_model.py::test_partial_drop_discards_the_open_window",
+    "accumulate, weighting callable":
+        "test_keras_model.py::test_callable_weighting_is_used",
+    "accumulate, a model's own train_step and compute_loss":
+        "test_accumulate.py::test_own_class_equals_its_training_on_the_windows",
+    "accumulate, two optimizers (GAN)":
+        "test_accumulate.py::test_two_optimizers_each_update_once_per_window",
+    "accumulate, BackupAndRestore in the middle of a window":
+        "test_accumulate.py::test_backup_and_restore_resumes_mid_window_exactly",
+    "disable":
+        "test_accumulate.py::test_disable_restores_plain_keras_training_and_the_users_compile",
+    "nonfinite='skip'":
+        "test_nonfinite.py::test_skip_drops_the_micro_batch_with_its_weight_and_warns_once",
+    "nonfinite='raise'": "test_nonfinite.py::test_raise_names_the_micro_batch",
+    "nonfinite='apply'": "test_nonfinite.py::test_apply_is_keras_behaviour",
+    "nonfinite callable":
+        "test_defects.py::test_callable_policy_skips_what_it_says_and_matches_the_reference",
+    "mixed precision, LossScaleOptimizer":
+        "test_mixed_precision.py::test_loss_scale_optimizer_custom_loop_equals_the_large_batch",
+    "accumulator_dtype float32 under mixed policies":
+        "test_mixed_precision.py::test_accumulators_are_float32_under_mixed_policies",
+    "BatchNormalization, one window = one large batch":
+        "test_batch_norm.py::test_one_window_records_what_one_large_batch_records",
+    "BatchNormalization in fit":
+        "test_batch_norm.py::test_fit_moves_statistics_once_per_update_with_partial_windows",
+    "convert_batch_normalization":
+        "test_batch_norm.py::test_conversion_keeps_inference_predictions_and_shares_no_variable",
+    "split mode (micro_batch_size)":
+        "test_split.py::test_batch_40_as_16_16_8_equals_plain_fit_at_40_adam_3_epochs",
+    "split mode, micro_batch_size='auto'":
+        "test_split.py::test_auto_search_halves_then_settles_on_the_largest_size_that_runs",
+    "schedules (ramps)":
+        "test_schedules.py::test_ramp_updates_after_micro_batches_1_2_4_6_10_14[adam-function-pairs]",
+    "token budgets (weight_per_update)":
+        "test_schedules.py::test_a_token_budget_in_fit_with_a_masked_per_token_loss",
+    "replicas, fit under MirroredStrategy":
+        "test_distribute.py::test_fit_on_two_replicas_equals_one_device_adam_epochs_partial_window",
+    "replicas, custom loop; CountingCrossDeviceOps":
+        "test_distribute.py::test_one_cross_replica_reduction_per_update_in_a_custom_loop",
+    "sparse gradients (IndexedSlices)":
+        "test_sparse.py::test_fit_with_an_embedding_equals_the_large_batch",
+    "KerasHub task with LoRA":
+        "test_accumulate_hub.py::test_gpt2_lora_accumulates_only_the_lora_parameters",
+    "the seed experiment's CLI":
+        "test_cli.py::test_train_short_run_output_format_and_json",
+    "property-based windows against the large batch (few examples with --fast)":
+        "test_properties.py::test_accumulator_equals_the_large_batch",
+}
+
+SLOW = [
+    # Child processes that start TensorFlow, several times each.
+    "test_faults.py",
+    "test_install.py",
+    "test_distribute.py::test_multi_worker_mirrored_two_processes_equal_a_single_process",
+    "test_split.py::test_auto_in_a_process_that_runs_out_of_memory_equals_an_uninterrupted_run",
+    # KerasHub tasks but the LoRA one.
+    "test_accumulate_hub.py",
+    # Several replicas: the fast tier keeps the two FEATURES rows.
+    "test_replicas.py",
+    "test_distribute.py",
+    "test_schedules.py::test_a_budget_on_two_replicas_is_the_global_windows",
+    "test_schedules.py::test_backup_and_restore_on_two_replicas_continues_the_schedule",
+    "test_schedules.py::test_a_two_optimizer_own_step_on_two_replicas_with_a_schedule",
+    "test_split.py::test_two_replicas_each_split_their_share_with_one_reduction_per_batch",
+    "test_split.py::test_auto_on_two_replicas_rolls_back_every_replica",
+    # Variations of a feature the fast tier covers once.
+    "test_properties.py::test_fit_equals_the_large_batch",
+    "test_schedules.py::test_a_callable_schedule_in_fit_and_in_a_custom_loop",
+    "test_schedules.py::test_ramp_updates_after_micro_batches_1_2_4_6_10_14",
+    "test_schedules.py::test_the_schedule_position_is_saved_and_restored",
+    "test_schedules.py::test_a_schedule_continues_across_epochs_and_partial_windows",
+    "test_schedules.py::test_growing_batches_in_split_mode_are_the_pipelines_schedule",
+    "test_schedules.py::test_the_window_length_is_read_when_the_window_opens",
+    "test_schedules.py::test_a_schedule_returning_0_later_stops_the_traced_step",
+    "test_keras_model.py::test_model_kinds_and_compile_options_are_exact",
+    "test_keras_model.py::test_inner_model_saves_as_plain_keras",
+    "test_keras_model.py::test_backup_and_restore_resumes_mid_window_exactly",
+    "test_keras_model.py::test_clipping_and_ema_act_on_the_combined_gradient",
+    "test_keras_model.py::test_several_epochs_with_partial_windows_equal_fit_on_the_windows",
+    "test_keras_model.py::test_multi_input_multi_output_with_class_and_loss_weights_is_exact",
+    "test_keras_model.py::test_keras_callbacks_work_and_keep_exactness",
+    "test_keras_model.py::test_unknown_cardinality_and_short_last_batch_flush_before_validation",
+    "test_keras_model.py::test_early_stopping_mid_epoch_flushes_at_the_end_of_fit",
+    "test_keras_model.py::test_dropout_model_trains_with_one_update_per_window",
+    "test_keras_model.py::test_class_weight_is_exact",
+    "test_keras_model.py::test_metrics_see_every_micro_batch_and_loss_is_the_window_loss",
+    "test_defects.py::test_graph_updates_the_variables_the_window_received_whatever_the_trace_order",
+    "test_defects.py::test_own_step_optimizers_in_a_list_and_twice_per_step",
+    "test_defects.py::test_callback_list_is_left_as_it_was_and_the_epoch_length_is_known",
+    "test_defects.py::test_a_recompile_keeps_the_open_window",
+    "test_defects.py::test_load_weights_before_compile_then_resume",
+    "test_mixed_precision.py::test_loss_scale_optimizer_in_float32_fit_equals_the_large_batch",
+    "test_mixed_precision.py::test_fit_skips_an_injected_non_finite_micro_batch_and_goes_on",
+    "test_mixed_precision.py::test_bfloat16_variables_fit_with_float32_accumulators",
+    "test_mixed_precision.py::test_mixed_bfloat16_fit_matches_the_large_batch_within_bfloat16_precision",
+    "test_nonfinite.py::test_fit_skips_by_default_and_shows_the_counter",
+    "test_nonfinite.py::test_raise_under_xla_raises_after_the_compiled_call",
+    "test_nonfinite.py::test_fit_raise_stops_at_the_micro_batch",
+    "test_nonfinite.py::test_fit_apply_lets_nan_through_as_keras_does",
+    "test_odd_data.py::test_data_shorter_than_one_window",
+    "test_odd_data.py::test_last_micro_batch_of_one_sample",
+    "test_odd_data.py::test_micro_batches_of_one_sample",
+    "test_accumulator.py::test_eager_function_and_xla_give_the_same_weights",
+    "test_accumulator.py::test_equal_micro_batches_weight_one_match_large_batch",
+    "test_accumulator.py::test_equal_micro_batches_weighted_by_size_match_large_batch",
+    "test_accumulate.py::test_accumulate_before_or_after_compile_gives_the_same_weights",
+    "test_batch_norm.py::test_wrap_converts_on_request",
+    "test_split.py::test_callbacks_and_schedules_count_updates",
+    "test_split.py::test_a_step_that_raises_leaves_no_window_behind",
+    "test_split.py::test_batch_normalization_window_is_the_batch",
+    "test_split.py::test_a_models_own_loss_and_step_run_per_micro_batch",
+    "test_split.py::test_two_optimizers_of_an_own_step_each_update_once_per_batch",
+    "test_split.py::test_auto_failure_in_a_later_micro_batch_counts_no_metric_twice",
+    "test_split.py::test_auto_with_an_own_train_step_rolls_back_the_failed_attempt",
+    "test_split.py::test_masks_and_sample_weights_split_alike",
+    "test_split.py::test_jit_compile_compiles_each_micro_batch_any_batch_size",
+    "test_cli.py::test_sweep_short_run_writes_table_json_csv_and_png",
+    "test_cli.py::test_split_form_gives_the_same_accuracies_run_by_run",
+    "test_cli.py::test_sweep_runs_the_split_form",
+    "test_cli.py::test_source_1x100_on_the_full_set_passes_90_percent_in_200_updates",
+    "test_cli.py::test_first_line_names_the_data_even_when_keras_tries_a_download",
+]
+
+HUB = [
+    "test_accumulate_hub.py",
+]
+
+MULTI_DEVICE = [
+    "test_replicas.py",
+    "test_distribute.py",
+    "test_accumulate_hub.py::test_gpt2_task_on_two_replicas_equals_the_task_trained_on_the_windows",
+    "test_schedules.py::test_a_budget_on_two_replicas_is_the_global_windows",
+    "test_schedules.py::test_backup_and_restore_on_two_replicas_continues_the_schedule",
+    "test_schedules.py::test_a_two_optimizer_own_step_on_two_replicas_with_a_schedule",
+    "test_split.py::test_two_replicas_each_split_their_share_with_one_reduction_per_batch",
+    "test_split.py::test_auto_on_two_replicas_rolls_back_every_replica",
+]
+
+SUBPROCESS = [
+    "test_faults.py",
+    "test_install.py",
+    "test_distribute.py::test_multi_worker_mirrored_two_processes_equal_a_single_process",
+    "test_split.py::test_auto_in_a_process_that_runs_out_of_memory_equals_an_uninterrupted_run",
+    "test_accumulate_hub.py::test_gpt2_task_generates_and_saves_as_plain_keras_hub",
+    "test_keras_model.py::test_inner_model_saves_as_plain_keras",
+    "test_cli.py::test_help_states_the_std_and_runs_as_a_module",
+]
+
+MARKERS = {"slow": SLOW, "hub": HUB, "multi_device": MULTI_DEVICE, "subprocess": SUBPROCESS}
+
+# Tests of what `wrap` does on its own: they take the `door` fixture with both doors.
+BOTH_DOORS = [
+    "test_keras_model.py::test_batch_40_as_16_16_8_equals_one_large_step_and_keras_builtin_does_not",
+    "test_keras_model.py::test_inner_model_saves_as_plain_keras",
+    "test_keras_model.py::test_backup_and_restore_resumes_mid_window_exactly",
+    "test_keras_model.py::test_keras_callbacks_work_and_keep_exactness",
+    "test_keras_model.py::test_unknown_cardinality_and_short_last_batch_flush_before_validation",
+    "test_keras_model.py::test_partial_carry_keeps_the_window_open_across_epochs",
+    "test_keras_model.py::test_wrap_refuses_what_is_not_a_keras_model",
+    "test_keras_model.py::test_wrap_invalid_steps",
+    "test_keras_model.py::test_wrap_needs_steps_or_micro_batch_size",
+    "test_keras_model.py::test_wrap_unknown_partial",
+    "test_keras_model.py::test_wrap_unknown_weighting",
+    "test_keras_model.py::test_weighting_callable_returning_a_non_scalar",
+    "test_keras_model.py::test_weighting_callable_returning_a_negative_weight",
+    "test_keras_model.py::test_optimizer_with_builtin_accumulation_is_refused",
+    "test_keras_model.py::test_exact_weighting_refuses_a_summed_loss",
+    "test_split.py::test_batch_40_as_16_16_8_equals_plain_fit_at_40_adam_3_epochs",
+    "test_split.py::test_invalid_micro_batch_size",
+    "test_split.py::test_invalid_window_options",
+    "test_schedules.py::test_a_budget_must_be_a_finite_number_above_zero",
+    "test_schedules.py::test_bad_schedule_pairs",
+    "test_schedules.py::test_a_schedule_returning_0_or_a_non_integer_is_refused",
+    "test_schedules.py::test_steps_and_a_budget_together_are_refused",
+    "test_schedules.py::test_a_schedule_or_a_budget_with_micro_batch_size_is_refused",
+    "test_schedules.py::test_a_callable_autograph_cannot_convert_is_refused_when_made",
+    "test_batch_norm.py::test_fit_moves_statistics_once_per_update_with_partial_windows",
+    "test_distribute.py::test_fit_on_two_replicas_equals_one_device_adam_epochs_partial_window",
+    "test_replicas.py::test_a_pending_window_restores_exactly_on_another_replica_count",
+    "test_odd_data.py::test_empty_dataset_is_a_clear_error",
+    "test_odd_data.py::test_empty_data_for_an_unbuilt_model_says_so",
+]
+
+
+def matches(node: str, key: str) -> bool:
+    """Whether table key `key` names the test `node` (a node id relative to tests/)."""
+    if "[" in key:
+        return node == key
+    return node == key or node.startswith(key + "::") or node.startswith(key + "[")
