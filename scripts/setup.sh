@@ -1,25 +1,43 @@
 #!/usr/bin/env bash
-# Creates .venv (once) and installs gradaccum with the standard TensorFlow wheel, KerasHub
-# (with tensorflow-text, which needs that wheel rather than tensorflow-cpu), the experiment
-# and the test extras. Sourced by run.sh and test.sh; safe to run again.
+# Creates .venv (once) and installs gradaccum with what one job needs. Sourced by run.sh
+# and test.sh with the extras that job needs; safe to run again.
+#
+#   run.sh  -> cpu,experiment         (tensorflow-cpu, tqdm, matplotlib, mlxtend)
+#   test.sh -> tf,experiment,test,hub (the standard tensorflow wheel: KerasHub's
+#              tensorflow-text needs it rather than tensorflow-cpu; pytest & co.)
+#
+# The venv only grows: the stamp holds the extras installed, and a job whose extras are
+# already there (the standard wheel stands in for `cpu`) installs nothing. A change of
+# pyproject.toml installs again.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${GRADACCUM_VENV:-$root/.venv}"
 python="${PYTHON:-python3}"
-extras="tf,experiment,test,hub"
+wanted="${GRADACCUM_EXTRAS:-cpu,experiment}"
 if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv"
 fi
 pip=("$venv/bin/python" -m pip)
-# The stamp holds the extras installed: a change of extras or of pyproject.toml reinstalls.
 stamp="$venv/.gradaccum-installed"
-if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ] \
-    || [ "$(cat "$stamp")" != "$extras" ]; then
+installed=""
+stale=0
+if [ -f "$stamp" ]; then
+  installed="$(cat "$stamp")"
+  [ "$root/pyproject.toml" -nt "$stamp" ] && stale=1
+fi
+# The union of what is installed and what is wanted; `tf` replaces `cpu`.
+extras="$(printf '%s\n' "${installed//,/$'\n'}" "${wanted//,/$'\n'}" | sed '/^$/d' | sort -u)"
+if grep -qx tf <<<"$extras"; then
+  extras="$(grep -vx cpu <<<"$extras")"
+fi
+extras="$(paste -sd, <<<"$extras")"
+if [ "$extras" != "$installed" ] || [ "$stale" = 1 ]; then
   "${pip[@]}" install --quiet --upgrade pip
-  # tensorflow-cpu (installed here before KerasHub) and tensorflow own the same files:
-  # installing one over the other, or removing one of the two, leaves a broken package.
-  # Remove both, then install the standard wheel alone.
-  if "${pip[@]}" show --quiet tensorflow-cpu >/dev/null 2>&1; then
+  # tensorflow-cpu and tensorflow own the same files: installing one over the other, or
+  # removing one of the two, leaves a broken package. Going from `cpu` to `tf`, remove
+  # both, then install the standard wheel alone.
+  if [[ ",$extras," == *,tf,* ]] \
+      && "${pip[@]}" show --quiet tensorflow-cpu >/dev/null 2>&1; then
     old=(tensorflow-cpu)
     if "${pip[@]}" show --quiet tensorflow >/dev/null 2>&1; then
       old+=(tensorflow)

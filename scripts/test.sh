@@ -1,9 +1,22 @@
 #!/usr/bin/env bash
-# The test command of the README: sets up .venv, then runs the whole suite
-# (tests/ and the doctests of src/gradaccum). Extra arguments go to pytest.
+# The test command of the README: sets up .venv with the standard TensorFlow wheel,
+# KerasHub and the test tools, then runs ruff and pytest (tests/ and the doctests of
+# src/gradaccum) in two worker processes (pytest-xdist).
+#
+#   bash scripts/test.sh          the whole suite; ends with its 15 slowest tests (CI)
+#   bash scripts/test.sh --fast   the fast tier: tests not marked `slow`, few
+#                                 hypothesis examples (a few minutes)
+#
+# Other arguments go to pytest (`bash scripts/test.sh --fast -k split`, `-n 0` for one
+# process).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-source "$root/scripts/setup.sh"
+GRADACCUM_EXTRAS=tf,experiment,test,hub source "$root/scripts/setup.sh"
 cd "$root"
 python -m ruff check .
-exec python -m pytest "$@"
+tier=(--durations=15)
+if [ "${1:-}" = "--fast" ]; then
+  shift
+  tier=(-m "not slow" --hypothesis-profile=fast)
+fi
+exec python -m pytest -n "${GRADACCUM_TEST_WORKERS:-2}" "${tier[@]}" "$@"
