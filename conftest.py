@@ -41,7 +41,7 @@ def pytest_configure(config):
 
 def _node(item) -> str | None:
     """The item's node id relative to tests/, or None outside tests/."""
-    path = pathlib.Path(str(item.path))
+    path = pathlib.Path(str(item.path)).resolve()
     if TESTS not in path.parents:
         return None
     return path.relative_to(TESTS).as_posix() + item.nodeid[len(item.nodeid.split("::")[0]):]
@@ -66,17 +66,30 @@ def pytest_collection_modifyitems(config, items):
                 continue
             if _named(node, keys):
                 item.add_marker(marker)
-    if any("::" in arg for arg in config.args):
-        return  # single tests asked for by id: the modules are not whole
+        if _named(node, features) and item.get_closest_marker("slow"):
+            raise pytest.UsageError(
+                f"tests/tiers.py: {node} stands for a feature in the fast tier (FEATURES) "
+                "but is marked slow."
+            )
+    # The check needs whole modules: not with tests asked for by id, nor with the
+    # cache's --lf / --sw, which leave out part of a module while collecting it.
+    if any("::" in arg for arg in config.args) or any(
+        getattr(config.option, name, False) for name in ("lf", "stepwise")
+    ):
+        return
     modules = {node.split("::")[0] for node in nodes.values() if node}
     tables = {f"FEATURES[{feature!r}]": [key] for feature, key in TIERS.FEATURES.items()}
     tables.update({name: getattr(TIERS, name) for name in
                    ("SLOW", "HUB", "MULTI_DEVICE", "SUBPROCESS", "BOTH_DOORS")})
     for table, keys in tables.items():
         for key in keys:
-            if key.split("::")[0] in modules and not any(
-                node and TIERS.matches(node, key) for node in nodes.values()
-            ):
+            if key.split("::")[0] not in modules:
+                continue
+            named = [node for node in nodes.values() if node and TIERS.matches(node, key)]
+            if table == "BOTH_DOORS":  # the wrap case is what the row is for
+                named = [node for node in named if "wrap" in node.partition("[")[2]]
+            if not named:
                 raise pytest.UsageError(
-                    f"tests/tiers.py: {table} names {key!r}, which is not a collected test."
+                    f"tests/tiers.py: {table} names {key!r}, which is not a collected test"
+                    + (" through `wrap`." if table == "BOTH_DOORS" else ".")
                 )

@@ -14,6 +14,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${GRADACCUM_VENV:-$root/.venv}"
 python="${PYTHON:-python3}"
 wanted="${GRADACCUM_EXTRAS:-cpu,experiment}"
+wanted="${wanted// /}"
 if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv"
 fi
@@ -25,18 +26,29 @@ if [ -f "$stamp" ]; then
   installed="$(cat "$stamp")"
   [ "$root/pyproject.toml" -nt "$stamp" ] && stale=1
 fi
-# The union of what is installed and what is wanted; `tf` replaces `cpu`.
-extras="$(printf '%s\n' "${installed//,/$'\n'}" "${wanted//,/$'\n'}" | sed '/^$/d' | sort -u)"
-if grep -qx tf <<<"$extras"; then
-  extras="$(grep -vx cpu <<<"$extras")"
+# An install that did not finish left its extras here: they are wanted again.
+pending=""
+if [ -f "$stamp.pending" ]; then
+  pending="$(cat "$stamp.pending")"
+  stale=1
+fi
+# The union of what is installed and what is wanted; `tf` or `gpu` replaces `cpu` (the
+# wheels own the same files).
+extras="$(printf '%s\n' "${installed//,/$'\n'}" "${pending//,/$'\n'}" "${wanted//,/$'\n'}" \
+  | sed '/^$/d' | sort -u)"
+if grep -qx -e tf -e gpu <<<"$extras"; then
+  extras="$(grep -vx cpu <<<"$extras" || true)"
 fi
 extras="$(paste -sd, <<<"$extras")"
 if [ "$extras" != "$installed" ] || [ "$stale" = 1 ]; then
+  # Until the install below succeeds the venv is in between: the next run of either
+  # script installs these extras again.
+  echo "$extras" >"$stamp.pending"
   "${pip[@]}" install --quiet --upgrade pip
   # tensorflow-cpu and tensorflow own the same files: installing one over the other, or
   # removing one of the two, leaves a broken package. Going from `cpu` to `tf`, remove
   # both, then install the standard wheel alone.
-  if [[ ",$extras," == *,tf,* ]] \
+  if [[ ",$extras," == *,tf,* || ",$extras," == *,gpu,* ]] \
       && "${pip[@]}" show --quiet tensorflow-cpu >/dev/null 2>&1; then
     old=(tensorflow-cpu)
     if "${pip[@]}" show --quiet tensorflow >/dev/null 2>&1; then
@@ -46,6 +58,7 @@ if [ "$extras" != "$installed" ] || [ "$stale" = 1 ]; then
   fi
   "${pip[@]}" install --quiet -e "$root[$extras]"
   echo "$extras" >"$stamp"
+  rm -f "$stamp.pending"
 fi
 export PATH="$venv/bin:$PATH"
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"

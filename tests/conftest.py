@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -12,6 +13,8 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tiers  # noqa: E402
+
+TESTS = pathlib.Path(__file__).resolve().parent
 
 OPTIMIZERS = {
     "sgd": lambda: keras.optimizers.SGD(0.1),
@@ -69,11 +72,18 @@ def assert_same_state(model_a, opt_a, model_b, opt_b, rtol=1e-5, atol=1e-6):
         )
 
 
+def _clear_session():
+    try:
+        keras.utils.clear_session(free_memory=False)
+    except TypeError:  # Keras before `free_memory`
+        keras.utils.clear_session()
+
+
 @pytest.fixture(autouse=True)
 def _fresh_keras_session():
     # Without the garbage collection Keras runs by default: in a long session it
     # costs seconds per test, and Python collects the same cycles on its own.
-    keras.utils.clear_session(free_memory=False)
+    _clear_session()
     yield
 
 
@@ -91,7 +101,8 @@ def pytest_generate_tests(metafunc):
         names = mark.args[0]
         if "door" in ([n.strip() for n in names.split(",")] if isinstance(names, str) else names):
             return  # the test names its doors itself
-    node = f"{metafunc.module.__name__}.py::{metafunc.function.__name__}"
+    path = pathlib.Path(str(metafunc.definition.path)).resolve()
+    node = f"{path.relative_to(TESTS).as_posix()}::{metafunc.function.__name__}"
     doors = DOORS if any(tiers.matches(node, key) for key in tiers.BOTH_DOORS) else DOORS[1:]
     metafunc.parametrize("door", doors)
 

@@ -10,14 +10,16 @@ in pyproject.toml and pytest runs with `--strict-markers`.
   The fast tier keeps one large-batch equivalence per public feature (`FEATURES`:
   collection fails if one of them is renamed away or marked slow), the bad-input
   tests, the catalogue of docs/bad-input.md, the doctests and the README's code.
+  Every table key must name a collected test: a renamed test fails the collection.
 - `hub`: needs keras-hub (the README's test install provides it; missing, these fail).
 - `multi_device`: runs on the two logical CPU devices the root conftest makes.
 - `subprocess`: starts Python processes of its own (TensorFlow starts in each).
 
-Doors: a test that takes the `door` fixture trains through `accumulate` only, unless it
+Doors: a test that takes the `door` argument trains through `accumulate` only, unless it
 is in `BOTH_DOORS`. Both doors run the same `_fit.Accumulation`; what `wrap` has of its
-own (its compile, config, saving, evaluate, batch-norm conversion, argument checks) is
-what `BOTH_DOORS` lists.
+own (its compile and its defaults, the wrapper's call and compiled losses, config,
+saving, evaluate, batch-norm conversion, argument checks) is what `BOTH_DOORS` lists;
+collection fails if a row has no `wrap` case.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ FEATURES = {
         "test_accumulate.py::test_disable_restores_plain_keras_training_and_the_users_compile",
     "nonfinite='skip'":
         "test_nonfinite.py::test_skip_drops_the_micro_batch_with_its_weight_and_warns_once",
+    "nonfinite='skip' in fit (the default), the `skipped` log":
+        "test_nonfinite.py::test_fit_skips_by_default_and_shows_the_counter",
     "nonfinite='raise'": "test_nonfinite.py::test_raise_names_the_micro_batch",
     "nonfinite='apply'": "test_nonfinite.py::test_apply_is_keras_behaviour",
     "nonfinite callable":
@@ -64,6 +68,7 @@ FEATURES = {
         "test_batch_norm.py::test_one_window_records_what_one_large_batch_records",
     "BatchNormalization in fit":
         "test_batch_norm.py::test_fit_moves_statistics_once_per_update_with_partial_windows",
+    "wrap(convert_batch_norm=True)": "test_batch_norm.py::test_wrap_converts_on_request",
     "convert_batch_normalization":
         "test_batch_norm.py::test_conversion_keeps_inference_predictions_and_shares_no_variable",
     "split mode (micro_batch_size)":
@@ -116,6 +121,12 @@ SLOW = [
     "test_keras_model.py::test_model_kinds_and_compile_options_are_exact",
     "test_keras_model.py::test_inner_model_saves_as_plain_keras",
     "test_keras_model.py::test_backup_and_restore_resumes_mid_window_exactly",
+    "test_keras_model.py::test_one_window_per_compiled_call_by_default",
+    "test_keras_model.py::test_model_kinds_and_compile_options_are_exact",
+    "test_keras_model.py::test_multi_input_multi_output_with_class_and_loss_weights_is_exact",
+    "test_keras_model.py::test_class_weight_is_exact",
+    "test_mixed_precision.py::test_loss_scale_optimizer_in_float32_fit_equals_the_large_batch",
+    "test_schedules.py::test_a_token_budget_in_fit_with_a_masked_per_token_loss",
     "test_keras_model.py::test_clipping_and_ema_act_on_the_combined_gradient",
     "test_keras_model.py::test_several_epochs_with_partial_windows_equal_fit_on_the_windows",
     "test_keras_model.py::test_multi_input_multi_output_with_class_and_loss_weights_is_exact",
@@ -134,7 +145,6 @@ SLOW = [
     "test_mixed_precision.py::test_fit_skips_an_injected_non_finite_micro_batch_and_goes_on",
     "test_mixed_precision.py::test_bfloat16_variables_fit_with_float32_accumulators",
     "test_mixed_precision.py::test_mixed_bfloat16_fit_matches_the_large_batch_within_bfloat16_precision",
-    "test_nonfinite.py::test_fit_skips_by_default_and_shows_the_counter",
     "test_nonfinite.py::test_raise_under_xla_raises_after_the_compiled_call",
     "test_nonfinite.py::test_fit_raise_stops_at_the_micro_batch",
     "test_nonfinite.py::test_fit_apply_lets_nan_through_as_keras_does",
@@ -145,7 +155,6 @@ SLOW = [
     "test_accumulator.py::test_equal_micro_batches_weight_one_match_large_batch",
     "test_accumulator.py::test_equal_micro_batches_weighted_by_size_match_large_batch",
     "test_accumulate.py::test_accumulate_before_or_after_compile_gives_the_same_weights",
-    "test_batch_norm.py::test_wrap_converts_on_request",
     "test_split.py::test_callbacks_and_schedules_count_updates",
     "test_split.py::test_a_step_that_raises_leaves_no_window_behind",
     "test_split.py::test_batch_normalization_window_is_the_batch",
@@ -185,6 +194,7 @@ SUBPROCESS = [
     "test_accumulate_hub.py::test_gpt2_task_generates_and_saves_as_plain_keras_hub",
     "test_keras_model.py::test_inner_model_saves_as_plain_keras",
     "test_cli.py::test_help_states_the_std_and_runs_as_a_module",
+    "test_cli.py::test_npm_pack_fetches_a_tarball_and_reports_failures",
 ]
 
 MARKERS = {"slow": SLOW, "hub": HUB, "multi_device": MULTI_DEVICE, "subprocess": SUBPROCESS}
@@ -194,6 +204,12 @@ BOTH_DOORS = [
     "test_keras_model.py::test_batch_40_as_16_16_8_equals_one_large_step_and_keras_builtin_does_not",
     "test_keras_model.py::test_inner_model_saves_as_plain_keras",
     "test_keras_model.py::test_backup_and_restore_resumes_mid_window_exactly",
+    "test_keras_model.py::test_one_window_per_compiled_call_by_default",
+    "test_keras_model.py::test_model_kinds_and_compile_options_are_exact",
+    "test_keras_model.py::test_multi_input_multi_output_with_class_and_loss_weights_is_exact",
+    "test_keras_model.py::test_class_weight_is_exact",
+    "test_mixed_precision.py::test_loss_scale_optimizer_in_float32_fit_equals_the_large_batch",
+    "test_schedules.py::test_a_token_budget_in_fit_with_a_masked_per_token_loss",
     "test_keras_model.py::test_keras_callbacks_work_and_keep_exactness",
     "test_keras_model.py::test_unknown_cardinality_and_short_last_batch_flush_before_validation",
     "test_keras_model.py::test_partial_carry_keeps_the_window_open_across_epochs",
