@@ -26,6 +26,20 @@ def two_replicas():
     )
 
 
+def under_another_backend(backend="torch"):
+    """The first use of a public name while Keras reports `backend`. (A child process
+    with KERAS_BACKEND set would need that backend's package installed.)"""
+    cached = gradaccum.__dict__.pop("accumulate", None)
+    real = keras.backend.backend
+    keras.backend.backend = lambda: backend
+    try:
+        gradaccum.accumulate  # noqa: B018 (the attribute's first use is the test)
+    finally:
+        keras.backend.backend = real
+        if cached is not None:
+            gradaccum.accumulate = cached
+
+
 def accumulator(**kwargs):
     return gradaccum.GradientAccumulator([tf.Variable([1.0, 2.0], name="w")], **kwargs)
 
@@ -163,6 +177,8 @@ def load_four_into_six(tmp_path):
 
 
 CASES = {
+    # Every public name
+    "backend-unsupported": under_another_backend,
     "accumulator-dtype-replicas": lambda: under(
         two_replicas(),
         lambda: gradaccum.GradientAccumulator(
@@ -313,7 +329,8 @@ def test_every_case_has_a_row_and_every_row_a_case():
 @pytest.mark.parametrize("row", ROWS, ids=[r[0] for r in ROWS])
 def test_catalogue_row(row):
     case, error, message = row
-    expected = {"ValueError": ValueError, "InvalidArgumentError": tf.errors.InvalidArgumentError}
+    expected = {"ValueError": ValueError, "ImportError": ImportError,
+                "InvalidArgumentError": tf.errors.InvalidArgumentError}
     with pytest.raises(expected[error]) as info:
         CASES[case]()
     text = info.value.message if error == "InvalidArgumentError" else str(info.value)

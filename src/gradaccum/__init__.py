@@ -53,6 +53,7 @@ def __getattr__(name: str):
         # Before the module: without TensorFlow, importing it (or Keras, whose default
         # backend is TensorFlow) fails with an error that does not say what to install.
         _tf.require_tensorflow()
+        _tf.require_supported_backend()
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value
         return value

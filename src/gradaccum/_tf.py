@@ -1,4 +1,5 @@
-"""A clear message when TensorFlow is missing (it is an install-time choice)."""
+"""A clear message when TensorFlow is missing (it is an install-time choice), or when
+Keras runs on a backend gradaccum does not support."""
 
 from __future__ import annotations
 
@@ -34,3 +35,26 @@ def require_tensorflow() -> None:
         import tensorflow  # noqa: F401
     except ImportError as error:
         raise ImportError(MESSAGE) from error
+
+
+# Keras's backends gradaccum trains on.
+BACKENDS = ("tensorflow",)
+
+
+def require_supported_backend() -> None:
+    """Raises an ImportError naming the supported backends when Keras runs on another.
+
+    Checked before gradaccum's modules are imported: they build on TensorFlow's
+    training loop, and under another backend they would fail with an error that does
+    not say why.
+    """
+    import keras
+
+    backend = keras.backend.backend()
+    if backend not in BACKENDS:
+        supported = ", ".join(repr(name) for name in BACKENDS)
+        raise ImportError(
+            f"gradaccum supports Keras's backends {supported}. Received: "
+            f"keras.backend.backend()={backend!r}. Set the environment variable "
+            "KERAS_BACKEND=tensorflow before Keras is imported."
+        )
