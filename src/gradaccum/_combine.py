@@ -6,15 +6,15 @@ update with the combined gradient
     G = sum_i w_i g_i / sum_i w_i      (reduction "mean")
     G = sum_i g_i                      (reduction "sum")
 
-These two functions are the only place the formula is written; the accumulator, the
-fit integration and the cross-replica update all call them.
+`combine` is `gradaccum.core.combine`'s (the one place the formula is written);
+`add_micro_batch` adds in place to TensorFlow variables, sparse gradients included.
 """
 
 from __future__ import annotations
 
 import tensorflow as tf
 
-REDUCTIONS = ("mean", "sum")
+from gradaccum.core.combine import REDUCTIONS, combine  # noqa: F401 (re-exported)
 
 
 def add_micro_batch(accumulators, gradients, factor=None) -> None:
@@ -37,26 +37,3 @@ def add_micro_batch(accumulators, gradients, factor=None) -> None:
             if scale is not None:
                 grad = grad * scale
             acc.assign_add(grad)
-
-
-def combine(sums, total_weight, reduction: str, dtypes) -> list:
-    """G from the window's weighted sums and their total weight.
-
-    Args:
-        sums: one tensor per variable, `sum_i w_i g_i` (reduction "mean") or
-            `sum_i g_i` (reduction "sum").
-        total_weight: `sum_i w_i`, a scalar tensor.
-        reduction: `"mean"` or `"sum"`.
-        dtypes: the variables' dtypes, which G is cast to.
-
-    Returns:
-        One tensor per variable. Under "mean" a total weight of 0 gives zeros.
-    """
-    if reduction == "mean":
-        scale = tf.math.divide_no_nan(tf.constant(1, total_weight.dtype), total_weight)
-    combined = []
-    for grad, dtype in zip(sums, dtypes):
-        if reduction == "mean":
-            grad = grad * tf.cast(scale, grad.dtype)
-        combined.append(tf.cast(grad, tf.as_dtype(dtype)))
-    return combined

@@ -12,38 +12,42 @@ release that changes one fails loudly in one place.
 """
 
 import contextlib
-import inspect
 
 import keras
 import tensorflow as tf
-from keras.src.backend.common.masking import get_keras_mask
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from keras.src.layers.normalization.batch_normalization import (
     BatchNormalization as _KerasBatchNormalization,
 )
-from keras.src.losses.loss import (
-    apply_mask,
-    squeeze_or_expand_to_same_rank,
-    unscale_loss_for_distribution,
-)
-from keras.src.losses.losses import LossFunctionWrapper
+from keras.src.losses.loss import unscale_loss_for_distribution
 from keras.src.models.functional import Functional
-from keras.src.trainers.trainer import Trainer
+
+from gradaccum import _keras_common
+from gradaccum._keras_common import (  # noqa: F401 (re-exported)
+    LossFunctionWrapper,
+    apply_mask,
+    call_has_training_arg,
+    compile_config,
+    compiled_loss,
+    compute_loss,
+    count_compiled_losses,
+    flatten_layers,
+    get_keras_mask,
+    is_loss_scale_optimizer,
+    is_optimizer,
+    loss_tracker,
+    set_compile_config,
+    squeeze_or_expand_to_same_rank,
+)
 
 # (owner, attribute, parameters after `self` that gradaccum passes; None: an
 # attribute read, not called). Module-level functions have the module as owner.
-PRIVATE_PIECES = (
-    (keras.src.losses.loss, "apply_mask", ("sample_weight", "mask", "dtype", "reduction")),
-    (keras.src.losses.loss, "squeeze_or_expand_to_same_rank", ("x1", "x2")),
+# The TensorFlow backend's pieces, after the common ones (`_keras_common`).
+PRIVATE_PIECES = _keras_common.PRIVATE_PIECES + (
     (keras.src.losses.loss, "unscale_loss_for_distribution", ("value",)),
-    (keras.src.backend.common.masking, "get_keras_mask", ("x",)),
-    (keras.src.losses.losses, "LossFunctionWrapper", ("fn",)),
     (keras.src.models.functional, "Functional", ("inputs", "outputs")),
-    (keras.layers.Layer, "_flatten_layers", ("include_self", "recursive")),
-    (Trainer, "_compute_loss", ("x", "y", "y_pred", "sample_weight", "training")),
     (TensorFlowTrainer, "_maybe_symbolic_build", ("iterator", "data_batch")),
-    (Trainer, "_symbolic_build", ("iterator", "data_batch")),
     (TFOptimizer, "_var_key", ("variable",)),
     (TFOptimizer, "_apply_weight_decay", ("variables",)),
     (TFOptimizer, "_backend_update_step", ("grads", "trainable_variables", "learning_rate")),
@@ -68,57 +72,7 @@ PRIVATE_PIECES = (
 
 def missing_pieces() -> list[str]:
     """What of `PRIVATE_PIECES` the installed Keras lacks or calls otherwise."""
-    problems = []
-    for owner, name, parameters in PRIVATE_PIECES:
-        where = f"{getattr(owner, '__name__', owner)}.{name}"
-        piece = getattr(owner, name, None)
-        if piece is None:
-            problems.append(f"{where} is missing")
-            continue
-        if parameters is None:
-            continue
-        target = piece.__init__ if inspect.isclass(piece) else piece
-        names = [p for p in inspect.signature(target).parameters if p != "self"]
-        if list(parameters) != names[: len(parameters)]:
-            problems.append(f"{where} takes {names}, gradaccum passes {list(parameters)}")
-    return problems
-
-
-def compile_config(model):
-    """What the model's last `Trainer.compile` received (Keras keeps it to save the
-    model's compile), as a dict; None before `compile`."""
-    saved = getattr(model, "_compile_config", None)
-    return None if saved is None else dict(saved.config)
-
-
-def set_compile_config(model, config: dict) -> None:
-    """Makes `config` what the model saves as its compile."""
-    from keras.src.saving.serialization_lib import SerializableDict
-
-    model._compile_config = SerializableDict(**config)
-
-
-def call_has_training_arg(model) -> bool:
-    """Whether `model.call` takes a `training` argument."""
-    return model._call_has_training_arg
-
-
-def compute_loss(model, x, y, y_pred, sample_weight):
-    """The model's own loss in training (its `compute_loss`, its compiled loss and
-    regularization losses), as Keras's train step computes it."""
-    return model._compute_loss(
-        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
-    )
-
-
-def loss_tracker(model):
-    """The metric behind the `loss` entry of the model's logs."""
-    return model._loss_tracker
-
-
-def compiled_loss(model):
-    """The model's CompileLoss, or None before `compile` (or without a loss)."""
-    return getattr(model, "_compile_loss", None)
+    return _keras_common.missing(PRIVATE_PIECES)
 
 
 def batch_norm_moments(layer, inputs, mask):
@@ -155,29 +109,6 @@ def optimizer_variables_of(optimizer) -> list:
 def own_variables(layer) -> list:
     """A layer's own variables (not those of its sublayers), in Keras's order."""
     return layer._trainable_variables + layer._non_trainable_variables
-
-
-def count_compiled_losses(compile_loss) -> int:
-    """How many loss terms a model's compiled loss (Keras's CompileLoss) holds."""
-    if compile_loss is None:
-        return 0
-    flat = getattr(compile_loss, "_flat_losses", None)
-    if flat is None:
-        flat = [loss for loss in tf.nest.flatten(compile_loss._user_loss) if loss is not None]
-    return len(flat)
-
-
-def flatten_layers(layer) -> list:
-    """`layer` and every layer inside it, nested models included."""
-    return layer._flatten_layers(include_self=True, recursive=True)
-
-
-def is_optimizer(optimizer) -> bool:
-    return isinstance(optimizer, keras.optimizers.Optimizer)
-
-
-def is_loss_scale_optimizer(optimizer) -> bool:
-    return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
 
 
 def back_off_loss_scale(optimizer) -> None:

@@ -17,33 +17,19 @@ update under a strategy (`settle_loss_scale`).
 
 from __future__ import annotations
 
-import warnings
-
 import tensorflow as tf
 
 from gradaccum._keras_compat import back_off_loss_scale  # noqa: F401 (re-exported)
-from gradaccum._validation import check_callable_result
-
-NONFINITE = ("skip", "raise", "apply")
-
-# The error of nonfinite="raise": its words around the micro-batch's number and its
-# place in the window.
-RAISE_WORDS = (
-    "gradaccum: a gradient is not finite (inf or nan) in micro-batch",
-    "(counted from 1; the micro-batch",
-    "of its window): nonfinite=raise stops here. Check the data and the loss of "
-    "that micro-batch, or use nonfinite=skip to drop it.",
+from gradaccum._validation import (  # noqa: F401 (re-exported)
+    NONFINITE,
+    check_callable_result,
+    check_nonfinite,
 )
-
-
-def check_nonfinite(nonfinite):
-    """Returns `nonfinite` if it is one of the names or a callable, else raises."""
-    if callable(nonfinite) or (isinstance(nonfinite, str) and nonfinite in NONFINITE):
-        return nonfinite
-    raise ValueError(
-        "`nonfinite` must be one of 'skip', 'raise', 'apply' or a callable "
-        f"gradients -> bool (True skips the micro-batch). Received: nonfinite={nonfinite!r}"
-    )
+from gradaccum.core.screening import (  # noqa: F401 (re-exported)
+    RAISE_WORDS,
+    raise_message,
+    warn_skipped,
+)
 
 
 def _values(gradient):
@@ -78,7 +64,7 @@ def user_skip(nonfinite, gradients):
         "nonfinite",
         kind="a boolean (True: skip the micro-batch)",
         scalar="a scalar boolean",
-        accepts=lambda dtype: dtype == tf.bool,
+        accepts=lambda dtype: dtype == "bool",
     )
 
 
@@ -91,10 +77,6 @@ def accept(nonfinite, gradients):
     if callable(nonfinite):
         return tf.logical_not(user_skip(nonfinite, gradients))
     return all_finite(gradients)
-
-
-def raise_message(micro_batch: int, position: int) -> str:
-    return f"{RAISE_WORDS[0]} {micro_batch} {RAISE_WORDS[1]} {position} {RAISE_WORDS[2]}"
 
 
 def assert_finite(finite, micro_batch, position):
@@ -115,18 +97,6 @@ def compiled_raise_message(skipped: int) -> str:
         "was skipped, and the error is raised after the call): "
         "nonfinite=raise stops here. Check the data and the loss, or use "
         "nonfinite=skip to drop such micro-batches."
-    )
-
-
-def warn_skipped(count: int = 1, stacklevel: int = 4) -> None:
-    """The one warning of nonfinite="skip" (shown once per accumulator)."""
-    warnings.warn(
-        f"gradaccum skipped {count} micro-batch(es) whose gradient is not finite "
-        "(inf or nan): each is dropped with its weight and counted in `skipped` "
-        "(in fit's logs too; nonfinite='skip'; this warning is shown once). Pass "
-        "nonfinite='raise' to stop at the first, or nonfinite='apply' for Keras's "
-        "behaviour.",
-        stacklevel=stacklevel,
     )
 
 

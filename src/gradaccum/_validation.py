@@ -10,6 +10,7 @@ import math
 import numbers
 from collections.abc import Sequence
 
+import keras
 import numpy as np
 
 
@@ -204,6 +205,30 @@ def check_choice(name: str, value, choices: Sequence[str]) -> str:
     return value
 
 
+WEIGHTINGS = ("exact", "uniform")
+NONFINITE = ("skip", "raise", "apply")
+
+
+def check_weighting(weighting):
+    """Returns `weighting` if it is a known name or a callable, else raises."""
+    if callable(weighting) or (isinstance(weighting, str) and weighting in WEIGHTINGS):
+        return weighting
+    raise ValueError(
+        "`weighting` must be one of 'exact', 'uniform' or a callable "
+        f"(x, y, sample_weight) -> weight. Received: weighting={weighting!r}"
+    )
+
+
+def check_nonfinite(nonfinite):
+    """Returns `nonfinite` if it is one of the names or a callable, else raises."""
+    if callable(nonfinite) or (isinstance(nonfinite, str) and nonfinite in NONFINITE):
+        return nonfinite
+    raise ValueError(
+        "`nonfinite` must be one of 'skip', 'raise', 'apply' or a callable "
+        f"gradients -> bool (True skips the micro-batch). Received: nonfinite={nonfinite!r}"
+    )
+
+
 def check_weight_value(weight) -> None:
     """Checks a concrete (eager) micro-batch weight: finite and >= 0."""
     value = np.asarray(weight)
@@ -224,28 +249,34 @@ def check_weight_value(weight) -> None:
 ACCUMULATOR_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
-def check_accumulator_dtype(accumulator_dtype):
-    """Returns the accumulator dtype as a `tf.DType`, or raises the fixed-form
-    ValueError."""
-    import tensorflow as tf
-
+def accumulator_dtype_name(accumulator_dtype) -> str:
+    """The accumulator dtype's name (a string, a NumPy, TensorFlow or JAX dtype), or
+    the fixed-form ValueError."""
     try:
-        dtype = tf.as_dtype(accumulator_dtype)
-    except TypeError:
-        dtype = None
-    if dtype is None or dtype.name not in ACCUMULATOR_DTYPES:
+        name = keras.backend.standardize_dtype(accumulator_dtype)
+    except (TypeError, ValueError, AttributeError):
+        name = None
+    if name not in ACCUMULATOR_DTYPES:
         allowed = ", ".join(repr(d) for d in ACCUMULATOR_DTYPES)
         raise ValueError(
             f"`accumulator_dtype` must be a floating dtype, one of {allowed}. "
             f"Received: accumulator_dtype={accumulator_dtype!r}"
         )
-    return dtype
+    return name
+
+
+def check_accumulator_dtype(accumulator_dtype):
+    """Returns the accumulator dtype as a `tf.DType`, or raises the fixed-form
+    ValueError."""
+    import tensorflow as tf
+
+    return tf.as_dtype(accumulator_dtype_name(accumulator_dtype))
 
 
 def check_optimizer(optimizer) -> None:
     """Refuses what is not a Keras optimizer, or one that would accumulate gradients
     a second time."""
-    from gradaccum import _keras_compat as kc
+    from gradaccum import _keras_common as kc
 
     if not kc.is_optimizer(optimizer):
         raise ValueError(
@@ -338,19 +369,29 @@ def check_weight(weight, dtype):
 
 
 def check_callable_result(value, option: str, *, kind: str, scalar: str, accepts):
-    """A user callable's result (`nonfinite`, `weighting`) as a scalar tensor, or the
-    fixed-form ValueError: `accepts(dtype)` says whether its dtype is `kind`."""
-    import tensorflow as tf
-
-    value = tf.convert_to_tensor(value)
-    if not accepts(value.dtype):
+    """A user callable's result (`nonfinite`, `weighting`, a `steps` schedule) as a
+    scalar tensor of the current backend, or the fixed-form ValueError:
+    `accepts(dtype_name)` says whether its dtype is `kind`."""
+    value = keras.ops.convert_to_tensor(value)
+    dtype = keras.backend.standardize_dtype(value.dtype)
+    if not accepts(dtype):
         raise ValueError(
             f"The `{option}` callable must return {kind}. "
-            f"Received: a value of dtype {value.dtype.name}"
+            f"Received: a value of dtype {dtype}"
         )
-    if value.shape.rank is not None and value.shape.num_elements() != 1:
+    shape = value.shape
+    known = getattr(shape, "rank", 0) is not None
+    if known and None not in tuple(shape) and int(np.prod(tuple(shape))) != 1:
         raise ValueError(
             f"The `{option}` callable must return {scalar}. "
-            f"Received: a value of shape {tuple(value.shape)}"
+            f"Received: a value of shape {tuple(shape)}"
         )
-    return tf.reshape(value, ())
+    return keras.ops.reshape(value, ())
+
+
+def is_integer_dtype(dtype: str) -> bool:
+    return dtype.startswith(("int", "uint"))
+
+
+def is_number_dtype(dtype: str) -> bool:
+    return is_integer_dtype(dtype) or dtype.startswith(("float", "bfloat"))

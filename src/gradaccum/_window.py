@@ -17,14 +17,20 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from gradaccum._validation import check_callable_result, check_window_rule
+from gradaccum._validation import (
+    check_callable_result,
+    is_integer_dtype,
+)
+from gradaccum.core.window import (  # noqa: F401 (PARTIALS re-exported)
+    PARTIALS,
+    SCHEDULE_RULE,
+    WindowSpec,
+)
 
-PARTIALS = ("flush", "carry", "drop")
-
-_SCHEDULE_RULE = "The `steps` callable must return an integer >= 1."
+_SCHEDULE_RULE = SCHEDULE_RULE
 
 
-class WindowRule:
+class WindowRule(WindowSpec):
     """When the open window is due: after `steps` micro-batches, `steps` an integer
     or a schedule by update index (a callable `update_index -> int`, or sorted
     `(from_update, k)` pairs), or once its total weight reaches `weight_per_update`.
@@ -40,7 +46,7 @@ class WindowRule:
     """
 
     def __init__(self, steps=None, weight_per_update=None):
-        self.steps, self.weight_per_update = check_window_rule(steps, weight_per_update)
+        super().__init__(steps, weight_per_update)
         self._schedule = None
         if callable(self.steps):
             self._schedule = (
@@ -59,16 +65,6 @@ class WindowRule:
                         "convert (its source in a file or a notebook). Received: a "
                         f"callable that failed on a symbolic update index: {error}"
                     ) from error
-
-    @property
-    def constant(self) -> int | None:
-        """The window's length when it never changes (an integer `steps`)."""
-        return self.steps if isinstance(self.steps, int) else None
-
-    @property
-    def scheduled(self) -> bool:
-        """Whether the window's length depends on the update index."""
-        return self.steps is not None and self.constant is None
 
     def length(self, update_index):
         """The length (int64 tensor) of the window that makes update `update_index`
@@ -90,7 +86,7 @@ class WindowRule:
             "steps",
             kind="an integer >= 1",
             scalar="a scalar integer >= 1",
-            accepts=lambda dtype: dtype.is_integer,
+            accepts=is_integer_dtype,
         )
         value = tf.cast(value, tf.int64)
         if tf.executing_eagerly():

@@ -16,27 +16,23 @@ from __future__ import annotations
 import warnings
 
 import keras
-import tensorflow as tf
 
-from gradaccum import _keras_compat as kc
-from gradaccum._validation import check_callable_result
+from gradaccum import _keras_common as kc
+from gradaccum._validation import (  # noqa: F401 (re-exported)
+    WEIGHTINGS,
+    check_callable_result,
+    check_weighting,
+    is_number_dtype,
+)
 
-WEIGHTINGS = ("exact", "uniform")
 _EXACT_REDUCTIONS = ("sum_over_batch_size", "mean", "mean_with_sample_weight")
-
-
-def check_weighting(weighting):
-    """Returns `weighting` if it is a known name or a callable, else raises."""
-    if callable(weighting) or (isinstance(weighting, str) and weighting in WEIGHTINGS):
-        return weighting
-    raise ValueError(
-        "`weighting` must be one of 'exact', 'uniform' or a callable "
-        f"(x, y, sample_weight) -> weight. Received: weighting={weighting!r}"
-    )
 
 
 def loss_normalizer(losses, sample_weight, mask, reduction, dtype="float32"):
     """The divisor `n` of Keras's reduction: the loss equals `sum(weighted) / n`.
+
+    Written with `keras.ops`: the same function runs inside TensorFlow's and JAX's
+    training steps.
 
     Args:
         losses: the unreduced loss values (`Loss.call` output).
@@ -48,29 +44,30 @@ def loss_normalizer(losses, sample_weight, mask, reduction, dtype="float32"):
     Returns:
         A float32 scalar tensor.
     """
-    values = tf.convert_to_tensor(losses, dtype=dtype)
+    ops = keras.ops
+    values = ops.convert_to_tensor(losses, dtype=dtype)
     if sample_weight is not None:
-        sample_weight = tf.cast(sample_weight, dtype)
+        sample_weight = ops.cast(sample_weight, dtype)
     if mask is not None:
-        mask = tf.cast(mask, dtype)
+        mask = ops.cast(mask, dtype)
     combined = kc.apply_mask(sample_weight, mask, dtype=values.dtype, reduction=reduction)
     if combined is not None:
         values, combined = kc.squeeze_or_expand_to_same_rank(values, combined)
-        weighted_shape = tf.broadcast_dynamic_shape(tf.shape(values), tf.shape(combined))
+        weighted = values * combined
     else:
-        weighted_shape = tf.shape(values)
-    size = tf.cast(tf.reduce_prod(weighted_shape), tf.float32)
+        weighted = values
+    size = ops.cast(ops.size(weighted), "float32")
     if reduction == "mean_with_sample_weight":
         if combined is None:
             return size
-        return tf.cast(tf.reduce_sum(combined), tf.float32)
+        return ops.cast(ops.sum(combined), "float32")
     if mask is None:
         return size
     # Keras scales unmasked entries by total/valid and divides by the size:
     # loss = sum(unmasked) * total / (valid * size), so n = valid * size / total.
-    total = tf.cast(tf.size(mask), tf.float32)
-    valid = tf.reduce_sum(tf.cast(tf.cast(mask, tf.bool), tf.float32))
-    return tf.math.divide_no_nan(valid * size, total)
+    total = ops.cast(ops.size(mask), "float32")
+    valid = ops.sum(ops.cast(ops.cast(mask, "bool"), "float32"))
+    return ops.divide_no_nan(valid * size, total)
 
 
 class NormalizerLog:
@@ -105,14 +102,16 @@ class _NormalizedLoss(keras.losses.Loss):
         self._warned_scalar = False
 
     def call(self, y_true, y_pred):
-        self._last = self.loss.call(y_true, y_pred)
-        return self._last
+        losses = self.loss.call(y_true, y_pred)
+        # The mask is read when Keras reads it: on JAX a mask is kept by the tensor's
+        # id, which a later tensor may reuse.
+        self._last = (losses, kc.get_keras_mask(losses))
+        return losses
 
     def __call__(self, y_true, y_pred, sample_weight=None):
         in_mask = kc.get_keras_mask(y_pred)
         value = super().__call__(y_true, y_pred, sample_weight)
-        losses, self._last = self._last, None
-        out_mask = kc.get_keras_mask(losses)
+        (losses, out_mask), self._last = self._last, None
         if in_mask is not None and out_mask is not None:
             mask = in_mask & out_mask
         else:
@@ -120,8 +119,8 @@ class _NormalizedLoss(keras.losses.Loss):
         if tuple(losses.shape) == ():
             # The loss function reduced itself; assume a mean over the batch.
             self._warn_scalar()
-            first = tf.nest.flatten(y_pred)[0]
-            n = tf.cast(tf.shape(first)[0], tf.float32)
+            first = keras.tree.flatten(y_pred)[0]
+            n = keras.ops.cast(keras.ops.shape(first)[0], "float32")
         else:
             n = loss_normalizer(losses, sample_weight, mask, self.reduction, self.dtype)
         self.log.values.append(n)
@@ -174,19 +173,17 @@ def record_normalizers(loss, log: NormalizerLog):
 
 
 def callable_weight(fn, x, y, sample_weight):
-    """Calls a user weighting function and checks that it gives a scalar >= 0."""
+    """Calls a user weighting function and checks that it gives a scalar number
+    (float32); the backend's step checks at run time that it is >= 0."""
     weight = check_callable_result(
         fn(x, y, sample_weight),
         "weighting",
         kind="a number",
         scalar="a scalar weight",
-        accepts=lambda dtype: dtype.is_floating or dtype.is_integer,
+        accepts=is_number_dtype,
     )
-    weight = tf.cast(weight, tf.float32)
-    check = tf.debugging.assert_greater_equal(
-        weight,
-        0.0,
-        message="The `weighting` callable must return a weight >= 0",
-    )
-    with tf.control_dependencies([check] if check is not None else []):
-        return tf.identity(weight)
+    return keras.ops.cast(weight, "float32")
+
+
+# The message of a negative weight from a `weighting` callable.
+NEGATIVE_WEIGHT = "The `weighting` callable must return a weight >= 0"

@@ -1,0 +1,130 @@
+"""The private Keras pieces gradaccum uses on every backend (no TensorFlow, no JAX).
+
+Exact weighting divides by the same normalizer as Keras's loss reduction, so it reuses
+Keras's own masking and rank-matching helpers; the fit integration runs the model's
+own loss computation and restores the compile the user made. `_keras_compat` adds the
+TensorFlow backend's pieces and re-exports these; `PRIVATE_PIECES` here is checked
+against the installed Keras by a test on each backend, so a Keras release that
+changes one fails loudly in one place.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import keras
+from keras.src.backend.common.masking import get_keras_mask  # noqa: F401 (re-exported)
+from keras.src.losses.loss import (  # noqa: F401 (re-exported)
+    apply_mask,
+    squeeze_or_expand_to_same_rank,
+)
+from keras.src.losses.losses import LossFunctionWrapper  # noqa: F401 (re-exported)
+from keras.src.trainers.trainer import Trainer
+
+# (owner, attribute, parameters after `self` that gradaccum passes; None: an
+# attribute read, not called). Module-level functions have the module as owner.
+PRIVATE_PIECES = (
+    (keras.src.losses.loss, "apply_mask", ("sample_weight", "mask", "dtype", "reduction")),
+    (keras.src.losses.loss, "squeeze_or_expand_to_same_rank", ("x1", "x2")),
+    (keras.src.backend.common.masking, "get_keras_mask", ("x",)),
+    (keras.src.losses.losses, "LossFunctionWrapper", ("fn",)),
+    (keras.layers.Layer, "_flatten_layers", ("include_self", "recursive")),
+    (Trainer, "_compute_loss", ("x", "y", "y_pred", "sample_weight", "training")),
+    (Trainer, "_symbolic_build", ("iterator", "data_batch")),
+)
+
+# Instance attributes read (checked on live objects by the tests): Model's
+# `_call_has_training_arg`, `_loss_tracker`, `_compile_loss` (with `_flat_losses` or
+# `_user_loss`), `_compile_config` (a SerializableDict with `.config`) and
+# `_metrics` (the list `Model.metrics` extends).
+
+
+def missing(pieces) -> list[str]:
+    """What of `pieces` (as `PRIVATE_PIECES`) the installed Keras lacks or calls
+    otherwise."""
+    problems = []
+    for owner, name, parameters in pieces:
+        where = f"{getattr(owner, '__name__', owner)}.{name}"
+        piece = getattr(owner, name, None)
+        if piece is None:
+            problems.append(f"{where} is missing")
+            continue
+        if parameters is None:
+            continue
+        target = piece.__init__ if inspect.isclass(piece) else piece
+        names = [p for p in inspect.signature(target).parameters if p != "self"]
+        if list(parameters) != names[: len(parameters)]:
+            problems.append(f"{where} takes {names}, gradaccum passes {list(parameters)}")
+    return problems
+
+
+def compile_config(model):
+    """What the model's last `Trainer.compile` received (Keras keeps it to save the
+    model's compile), as a dict; None before `compile`."""
+    saved = getattr(model, "_compile_config", None)
+    return None if saved is None else dict(saved.config)
+
+
+def set_compile_config(model, config: dict) -> None:
+    """Makes `config` what the model saves as its compile."""
+    from keras.src.saving.serialization_lib import SerializableDict
+
+    model._compile_config = SerializableDict(**config)
+
+
+def call_has_training_arg(model) -> bool:
+    """Whether `model.call` takes a `training` argument."""
+    return model._call_has_training_arg
+
+
+def compute_loss(model, x, y, y_pred, sample_weight):
+    """The model's own loss in training (its `compute_loss`, its compiled loss and
+    regularization losses), as Keras's train step computes it."""
+    return model._compute_loss(
+        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+    )
+
+
+def loss_tracker(model):
+    """The metric behind the `loss` entry of the model's logs."""
+    return model._loss_tracker
+
+
+def compiled_loss(model):
+    """The model's CompileLoss, or None before `compile` (or without a loss)."""
+    return getattr(model, "_compile_loss", None)
+
+
+def count_compiled_losses(compile_loss) -> int:
+    """How many loss terms a model's compiled loss (Keras's CompileLoss) holds."""
+    if compile_loss is None:
+        return 0
+    flat = getattr(compile_loss, "_flat_losses", None)
+    if flat is None:
+        flat = [loss for loss in keras.tree.flatten(compile_loss._user_loss)
+                if loss is not None]
+    return len(flat)
+
+
+def flatten_layers(layer) -> list:
+    """`layer` and every layer inside it, nested models included."""
+    return layer._flatten_layers(include_self=True, recursive=True)
+
+
+def is_optimizer(optimizer) -> bool:
+    return isinstance(optimizer, keras.optimizers.Optimizer)
+
+
+def is_loss_scale_optimizer(optimizer) -> bool:
+    return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+
+
+def uses_default_train_step(model) -> bool:
+    """Whether the model's class trains with Keras's own `train_step` (its backend's)."""
+    return type(model).train_step is keras.Model.train_step
+
+
+def model_metrics(model) -> list:
+    """The list of metrics a model tracks itself, which `Model.metrics` (and so the
+    state the JAX trainer carries through its step) includes."""
+    return model._metrics
