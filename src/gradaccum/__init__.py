@@ -1,4 +1,4 @@
-"""gradaccum: exact gradient accumulation for TensorFlow 2 / Keras 3.
+"""gradaccum: exact gradient accumulation for Keras 3, on TensorFlow and JAX.
 
 Train with an effective batch of k x b at the memory of b: gradients of k
 micro-batches are combined, weighted by each micro-batch's loss normalizer, into one
@@ -51,9 +51,10 @@ if TYPE_CHECKING:  # pragma: no cover
 def __getattr__(name: str):
     if name in _EXPORTS:
         # Before the module: without TensorFlow, importing it (or Keras, whose default
-        # backend is TensorFlow) fails with an error that does not say what to install.
-        _tf.require_tensorflow()
-        _tf.require_supported_backend()
+        # backend is TensorFlow) fails with an error that does not say what to install;
+        # under another backend than TensorFlow or JAX, or a TensorFlow-only name on
+        # JAX, the error says what runs where.
+        _tf.require_supported_backend(name)
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value
         return value

@@ -28,79 +28,21 @@ import tensorflow as tf
 
 from gradaccum import _keras_compat as kc
 from gradaccum import _retry, _split, _window, batch_norm
-from gradaccum._combine import REDUCTIONS
 from gradaccum._distributed import COUNTED, check_split_synchronization, distribution_of
-from gradaccum._screening import check_nonfinite, compiled_raise_message
+from gradaccum._screening import compiled_raise_message
 from gradaccum._state import Untracked
-from gradaccum._validation import (
-    check_accumulator_dtype,
-    check_choice,
-    check_window_options,
-)
 from gradaccum.accumulator import GradientAccumulator
-from gradaccum.weighting import NormalizerLog, callable_weight, check_weighting
+from gradaccum.core.options import Options as CoreOptions
+from gradaccum.weighting import NEGATIVE_WEIGHT, NormalizerLog, callable_weight
 
 PARTIALS = _window.PARTIALS
 
 
-class Options:
-    """The accumulation options, checked once (fixed-form errors).
+class Options(CoreOptions):
+    """The checked options (`gradaccum.core.options.Options`) with TensorFlow's
+    window rule (a schedule's callable runs as a `tf.function`) and accumulators."""
 
-    One of `steps` (each batch is a micro-batch; `steps` of them make an update,
-    `steps` an integer or a schedule by update index), `weight_per_update` (each
-    batch is a micro-batch; a window closes once its total weight reaches the
-    budget) or `micro_batch_size` (split mode: each batch is split into
-    micro-batches of at most that many samples, or `"auto"`, and makes one update).
-    """
-
-    def __init__(self, steps=None, weighting="exact", partial="flush", reduction="mean",
-                 accumulator_dtype="float32", nonfinite="skip", *,
-                 micro_batch_size=None, max_micro_batch_size=None,
-                 weight_per_update=None):
-        self.partial = check_choice("partial", partial, PARTIALS)
-        self.micro_batch_size, self.max_micro_batch_size = check_window_options(
-            steps, micro_batch_size, max_micro_batch_size, partial, weight_per_update
-        )
-        # When a window closes, checked now (a schedule's callable is tried on
-        # update 0) and shared by every accumulator of the fit.
-        self.window = _window.WindowRule(steps, weight_per_update)
-        self.weighting = check_weighting(weighting)
-        self.reduction = check_choice("reduction", reduction, REDUCTIONS)
-        self.accumulator_dtype = check_accumulator_dtype(accumulator_dtype).name
-        self.nonfinite = check_nonfinite(nonfinite)
-        if self.auto and (self.weighting == "uniform" or self.reduction == "sum"):
-            raise ValueError(
-                '`weighting` must be "exact" or a callable, and `reduction` "mean", '
-                'with micro_batch_size="auto": "auto" changes the split, which must not '
-                f"change the update. Received: weighting={weighting!r}, "
-                f"reduction={reduction!r}"
-            )
-
-    @property
-    def split(self) -> bool:
-        """Whether each batch is split into micro-batches (one update per batch)."""
-        return self.micro_batch_size is not None
-
-    @property
-    def auto(self) -> bool:
-        return self.micro_batch_size == "auto"
-
-    @property
-    def steps(self):
-        """`steps` as checked: an int, the schedule (pairs as a tuple, or the
-        callable), or None."""
-        return self.window.steps
-
-    @property
-    def weight_per_update(self) -> float | None:
-        return self.window.weight_per_update
-
-    def steps_per_execution(self, replicas: int) -> int:
-        """Micro-batches a compiled call runs by default (`steps_per_execution`
-        "window"): the window's length when it is constant, else 1 (schedules,
-        budgets, split mode); 1 under several replicas, where Keras's multi-step
-        train function fails (keras issue 19246)."""
-        return (self.window.constant or 1) if replicas == 1 else 1
+    window_rule = _window.WindowRule
 
     def accumulator(self, variables, *, layers=None, name="gradient_accumulator"):
         return GradientAccumulator(
@@ -261,9 +203,10 @@ def _scaled(gradient, factor):
     return gradient * tf.cast(factor, gradient.dtype)
 
 
-def uses_default_train_step(model) -> bool:
-    """Whether the model's class trains with Keras's own `train_step`."""
-    return type(model).train_step is keras.Model.train_step
+def check_model(model) -> None:
+    """Checks a built model's variables where the doors receive it (one
+    tf.distribute strategy for all of them)."""
+    distribution_of(model.trainable_variables)
 
 
 def optimizers_of(model) -> list:
@@ -412,6 +355,24 @@ class Accumulation:
         train_function.gradaccum_skips = True
         train_function.gradaccum_wrapped = getattr(function, "gradaccum_wrapped", False)
         return train_function
+
+    def replicas(self) -> int:
+        """Replicas the host trains on (its strategy's)."""
+        return self.host.distribute_strategy.num_replicas_in_sync
+
+    def evaluating(self):
+        """The context `evaluate` runs in (each worker's own evaluation under
+        MultiWorkerMirroredStrategy)."""
+        return kc.across_workers(self.host)
+
+    def open_micro_batches(self) -> int:
+        """Micro-batches in the open windows (0 without a state)."""
+        if self.state is None:
+            return 0
+        return sum(int(acc.window_length().numpy()) for acc in self.state.accumulators())
+
+    def detach(self) -> None:
+        """`disable`: nothing of the state lives in the host on TensorFlow."""
 
     def attach(self, host, own_step=None) -> None:
         """Attaches to `host`; `own_step` is the host's own `train_step` (bound), or
@@ -929,7 +890,10 @@ class Accumulation:
         if weighting == "uniform":
             return tf.constant(1.0)
         if callable(weighting):
-            return callable_weight(weighting, x, y, sample_weight)
+            weight = callable_weight(weighting, x, y, sample_weight)
+            check = tf.debugging.assert_greater_equal(weight, 0.0, message=NEGATIVE_WEIGHT)
+            with tf.control_dependencies([check] if check is not None else []):
+                return tf.identity(weight)
         normalizers = self.normalizers.take()
         if not normalizers:
             if exact_step:

@@ -3,8 +3,9 @@
 The model stays the user's object, of its own class: its `fit` (a KerasHub task's
 preprocessing included), `compile` defaults, `train_step`, `compute_loss` and `call`
 all run. gradaccum adds instance attributes that route the training path through
-`_fit.Accumulation` and removes them again in `disable`; the class, its config and
-what `model.save()` writes are untouched, so a saved model loads without gradaccum.
+the backend's `Accumulation` (TensorFlow's `_fit`, or `backends.jax.fit`) and removes
+them again in `disable`; the class, its config and what `model.save()` writes are
+untouched, so a saved model loads without gradaccum.
 """
 
 from __future__ import annotations
@@ -15,9 +16,8 @@ import warnings
 import keras
 import numpy as np
 
-from gradaccum import _keras_compat as kc
-from gradaccum._distributed import distribution_of
-from gradaccum._fit import Accumulation, Options, uses_default_train_step
+from gradaccum import _backend
+from gradaccum import _keras_common as kc
 from gradaccum._validation import check_optimizer
 from gradaccum.weighting import record_normalizers
 
@@ -37,7 +37,7 @@ _SIZE = "micro_batch_size"
 SIDECAR = ".gradaccum.npz"
 
 
-def accumulation_of(model) -> Accumulation | None:
+def accumulation_of(model):
     """The accumulation attached to `model` by `accumulate`, or None."""
     return getattr(model, "__dict__", {}).get(_ATTRIBUTE)
 
@@ -151,15 +151,16 @@ def accumulate(
             f"already. Received: model={model.name!r}, which accumulates already. Call "
             "`gradaccum.disable(model)` first to change its options."
         )
-    options = Options(
+    backend = _backend.current()
+    options = backend.Options(
         steps, weighting, partial, reduction, accumulator_dtype, nonfinite,
         micro_batch_size=micro_batch_size, max_micro_batch_size=max_micro_batch_size,
         weight_per_update=weight_per_update,
     )
     if model.built:
-        distribution_of(model.trainable_variables)
-    accumulation = Accumulation(options, layers=model)
-    own_step = None if uses_default_train_step(model) else model.train_step
+        backend.check_model(model)
+    accumulation = backend.Accumulation(options, layers=model)
+    own_step = None if kc.uses_default_train_step(model) else model.train_step
     accumulation.attach(model, own_step)
     _install(model, accumulation)
     if kc.compile_config(model) is not None:
@@ -205,7 +206,7 @@ def disable(model):
     state = accumulation.state
     if state is not None:
         if accumulation.options.partial == "carry":
-            pending = sum(int(acc.window_length().numpy()) for acc in state.accumulators())
+            pending = accumulation.open_micro_batches()
             if pending:
                 warnings.warn(
                     f"gradaccum.disable discards an open window of {pending} "
@@ -215,6 +216,7 @@ def disable(model):
         else:
             accumulation.end_of_data()
     user_config = accumulation.user_compile_config
+    accumulation.detach()
     for name in (*_OVERRIDES, _ATTRIBUTE, _SIZE):
         model.__dict__.pop(name, None)
     if user_config is not None:
@@ -225,7 +227,7 @@ def disable(model):
     return model
 
 
-def _install(model, accumulation: Accumulation) -> None:
+def _install(model, accumulation) -> None:
     """Sets the instance attributes that route `model`'s training through
     `accumulation` (bypassing Keras's attribute tracking: they are not state)."""
     cls = type(model)
@@ -244,11 +246,12 @@ def _install(model, accumulation: Accumulation) -> None:
 
     def evaluate(*args, **kwargs):
         accumulation.before_evaluate(kwargs)
-        with kc.across_workers(model):
+        with accumulation.evaluating():
             return cls.evaluate(model, *args, **kwargs)
 
-    def train_step(data):
-        return accumulation.train_step(data)
+    def train_step(*args):
+        # (data) on TensorFlow, (state, data) on JAX.
+        return accumulation.train_step(*args)
 
     def make_train_function(force=False):
         return accumulation.make_train_function(
@@ -304,7 +307,7 @@ def _recompile(model, accumulation, *, user_config, steps_per_execution_given):
         config["loss"] = record_normalizers(config["loss"], accumulation.normalizers)
     if not steps_per_execution_given:
         config["steps_per_execution"] = accumulation.options.steps_per_execution(
-            model.distribute_strategy.num_replicas_in_sync
+            accumulation.replicas()
         )
     keras.Model.compile(model, **config)
     kc.set_compile_config(model, user_config)

@@ -1,0 +1,388 @@
+"""Accumulation inside Keras's `fit()` on JAX: the adapter `gradaccum.accumulate`
+attaches to the user's model.
+
+`Accumulation` owns the state (`AccumulationState`, a metric the model tracks, so
+the JAX trainer carries it through its jitted step), the step (`TrainStep`) and a
+callback that runs first among `fit`'s: the epoch's position and length, the window
+the data ends in, the errors the jitted step can only record, and the `updates` /
+`skipped` entries of the epoch's logs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import keras
+import numpy as np
+
+from gradaccum import _keras_common as kc
+from gradaccum.backends.jax.state import AccumulationState
+from gradaccum.backends.jax.step import ERROR_KEY, TrainStep
+from gradaccum.core.options import Options as CoreOptions
+from gradaccum.core.screening import raise_message, warn_skipped
+from gradaccum.core.window import SCHEDULE_RULE
+from gradaccum.weighting import NEGATIVE_WEIGHT, NormalizerLog
+
+
+class Options(CoreOptions):
+    """The checked options; on JAX a schedule's callable is traced as it is, and
+    tried on update 0 here (a wrong type or a first window below 1 is refused
+    before a step is traced)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.split:
+            raise ValueError(
+                "`micro_batch_size` (split mode) runs on Keras's TensorFlow backend; on "
+                "JAX give `steps` (each batch is a micro-batch). Received: "
+                f"micro_batch_size={self.micro_batch_size!r} with "
+                "keras.backend.backend()='jax'"
+            )
+        if callable(self.window.steps):
+            import jax
+
+            try:
+                first = int(self.window.length(0))
+            except jax.errors.ConcretizationTypeError as error:
+                raise ValueError(
+                    "The `steps` callable must be traceable by JAX: written with "
+                    "`keras.ops` / `jax.numpy` (`jnp.where` rather than a Python `if` "
+                    "on the update index). Received: a callable that failed on a "
+                    f"traced update index: {type(error).__name__}"
+                ) from None
+            if first < 1:
+                raise ValueError(f"{SCHEDULE_RULE} Received: {first} for update_index=0")
+            self._check_traceable()
+
+    def _check_traceable(self) -> None:
+        import jax
+
+        try:
+            jax.eval_shape(self.window.length, jax.ShapeDtypeStruct((), "int32"))
+        except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError,
+                jax.errors.TracerIntegerConversionError) as error:
+            raise ValueError(
+                "The `steps` callable must be traceable by JAX: written with "
+                "`keras.ops` / `jax.numpy` (`jnp.where` rather than a Python `if` "
+                "on the update index). Received: a callable that failed on a "
+                f"traced update index: {type(error).__name__}"
+            ) from None
+
+
+def check_model(model) -> None:
+    """Nothing to check on JAX where the doors receive a built model."""
+
+
+class Accumulation:
+    """Gradient accumulation attached to a model that `fit` trains on JAX.
+
+    Args:
+        options: the checked `Options`.
+        layers: the model trained (the host itself, or `wrap`'s inner model).
+    """
+
+    def __init__(self, options: Options, layers):
+        self.options = options
+        self.host = None
+        self.normalizers = NormalizerLog()
+        self.state: AccumulationState | None = None
+        self.step: TrainStep | None = None
+        self.resumable = False
+        self.user_compile_config = None
+        self._pending = {}
+        self._warned = set()
+        self._skipped_at_start = 0
+
+    micro_batch_size = None
+
+    def attach(self, host, own_step=None) -> None:
+        if own_step is not None:
+            raise ValueError(
+                "On Keras's JAX backend gradaccum trains models that use Keras's "
+                "default `train_step` (their own `compute_loss`, compiled loss and "
+                "metrics run unchanged). Received: model "
+                f"{host.name!r} of class {type(host).__name__} that defines its own "
+                "`train_step`: accumulate its gradients with "
+                "keras.backend.backend()='tensorflow'."
+            )
+        self.host = host
+
+    def replicas(self) -> int:
+        return 1
+
+    def evaluating(self):
+        return contextlib.nullcontext()
+
+    def before_evaluate(self, kwargs) -> None:
+        if kwargs.get("_use_cached_eval_dataset"):
+            # Validation inside fit sees the epoch's partial window applied.
+            self.end_of_data()
+
+    def open_micro_batches(self) -> int:
+        if self.state is None:
+            return 0
+        return int(self.state.micro_step.numpy()) + int(self.state.window_skipped.numpy())
+
+    # State --------------------------------------------------------------------------
+
+    def ensure_state(self) -> None:
+        """Creates the state (before the train function is made) and the step."""
+        if self.state is not None:
+            return
+        host = self.host
+        if not host.built:
+            raise ValueError(
+                "The model being trained must be built before its accumulation state is "
+                f"created. Received: model {host.name!r} that is not built (fit builds "
+                "it from its first batch: is the data empty?). Give the model an Input, "
+                "or call it on a batch first."
+            )
+        if not host.trainable_variables:
+            raise ValueError(
+                "The model being trained must have trainable variables to accumulate "
+                f"gradients of. Received: model {host.name!r} with none."
+            )
+        optimizer = host.optimizer
+        if kc.is_loss_scale_optimizer(optimizer):
+            raise ValueError(
+                "On Keras's JAX backend gradaccum does not train with a "
+                "LossScaleOptimizer (mixed_float16): its scale must react to each "
+                "micro-batch. Received: optimizer of type LossScaleOptimizer. Use "
+                "mixed_bfloat16, which needs no loss scaling, or "
+                "keras.backend.backend()='tensorflow'."
+            )
+        if not optimizer.built:
+            optimizer.build(host.trainable_variables)
+        terms = max(0, kc.count_compiled_losses(kc.compiled_loss(host)) - 1)
+        self.state = AccumulationState(
+            host.trainable_variables, self.options.accumulator_dtype, terms=terms
+        )
+        kc.model_metrics(host).append(self.state)
+        self._restore_pending()
+
+    def forget(self) -> None:
+        """Drops the state and the step (a new compile); the open window's values wait
+        for the state made before the next training."""
+        if self.state is not None:
+            saved = {
+                name: v.numpy() for name, v in self.state.named().items()
+                if name not in ("epoch_step", "resume_skip", "epoch_length")
+            }
+            self._pending = {**saved, **self._pending}
+            metrics = kc.model_metrics(self.host)
+            metrics[:] = [m for m in metrics if m is not self.state]
+        self.state = None
+        self.step = None
+        if self.host is not None:
+            self.host.train_function = None
+
+    def detach(self) -> None:
+        """`disable`: the model tracks the state no more."""
+        if self.state is not None:
+            metrics = kc.model_metrics(self.host)
+            metrics[:] = [m for m in metrics if m is not self.state]
+        self.state = None
+        self.step = None
+
+    def save_to(self, store) -> None:
+        if self.state is None:
+            return
+        for name, variable in self.state.named().items():
+            store[f"gradaccum_{name}"] = np.asarray(variable.numpy())
+
+    def load_from(self, store) -> None:
+        self._pending = {
+            key[len("gradaccum_"):]: np.asarray(store[key])
+            for key in store.keys() if key.startswith("gradaccum_")
+        }
+        if self._pending and getattr(self.host, "optimizer", None) is not None:
+            self.ensure_state()
+            self._restore_pending()
+
+    def _restore_pending(self) -> None:
+        if not self._pending or self.state is None:
+            return
+        for name, variable in self.state.named().items():
+            if name not in self._pending:
+                continue
+            value = self._pending.pop(name)
+            if tuple(value.shape) != tuple(variable.shape):
+                if np.any(value):
+                    warnings.warn(
+                        f"gradaccum discards the saved accumulation state {name!r}: its "
+                        f"shape {tuple(value.shape)} is not the variable's "
+                        f"{tuple(variable.shape)} (the model's trainable variables "
+                        "changed).",
+                        stacklevel=2,
+                    )
+                continue
+            variable.assign(value.astype(variable.dtype))
+
+    # fit ----------------------------------------------------------------------------
+
+    def make_train_function(self, make, force=False):
+        self.ensure_state()
+        if self.step is None:
+            self.step = TrainStep(self.host, self.options, self.state, self.normalizers)
+            force = True
+        self.step.resumable = self.resumable
+        make(force)
+        return self.host.train_function
+
+    def train_step(self, state, data):
+        return self.step(state, data)
+
+    def fit(self, fit, x, y, batch_size, epochs, verbose, callbacks, kwargs):
+        host = self.host
+        hook = (_RaisingHook if self._raises() else EpochHook)(self)
+        hook.epochs_to_run = epochs > kwargs.get("initial_epoch", 0)
+        if isinstance(callbacks, keras.callbacks.CallbackList):
+            listed = callbacks.callbacks
+            callbacks = keras.callbacks.CallbackList([hook, *listed])
+        else:
+            callbacks = [hook, *(callbacks or [])]
+            listed = callbacks
+        resumable = any(isinstance(cb, keras.callbacks.BackupAndRestore) for cb in listed)
+        if resumable != self.resumable:
+            self.resumable = resumable
+            host.train_function = None
+        if self.state is not None:
+            self.state.epoch_step.assign(0)
+            self.state.resume_skip.assign(0)
+        return fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
+                   callbacks=callbacks, **kwargs)
+
+    def _raises(self) -> bool:
+        options = self.options
+        return (options.nonfinite == "raise" or callable(options.weighting)
+                or callable(options.window.steps))
+
+    def end_of_data(self) -> None:
+        """The data ended: the open window is flushed or dropped as `partial` says
+        (kept with `"carry"`)."""
+        if self.state is None or self.step is None or self.options.partial == "carry":
+            return
+        if self.open_micro_batches() == 0:
+            return
+        self.step.close_eagerly(apply=self.options.partial == "flush")
+
+    def raise_step_error(self) -> None:
+        """Raises the error the jitted step recorded (and clears it)."""
+        state = self.state
+        error = int(state.error.numpy())
+        if not error:
+            return
+        at = int(state.error_at.numpy())
+        state.error.assign(0)
+        errors = AccumulationState.ERRORS
+        if error == errors["nonfinite"]:
+            raise FloatingPointError(raise_message(int(state.skipped.numpy()), at))
+        if error == errors["negative_weight"]:
+            raise ValueError(
+                f"{NEGATIVE_WEIGHT}. Received: a negative weight for micro-batch {at} "
+                "of its window (it was accumulated with weight 0)."
+            )
+        raise ValueError(
+            f"{SCHEDULE_RULE} Received: a value < 1 for update_index={at} (that "
+            "window held 1 micro-batch)."
+        )
+
+    def write_logs(self, logs) -> None:
+        if logs is None or self.state is None:
+            return
+        state = self.state
+        logs.pop(ERROR_KEY, None)
+        logs["updates"] = float(self.host.optimizer.iterations.numpy())
+        logs["window_micro_batches"] = float(state.last_window_micro_batches.numpy())
+        logs["window_weight"] = float(state.last_window_weight.numpy())
+        if self.options.nonfinite != "apply":
+            logs["skipped"] = float(state.skipped.numpy())
+
+    def warn(self) -> None:
+        state = self.state
+        if state is None:
+            return
+        if bool(state.inexact.numpy()) and "inexact" not in self._warned:
+            self._warned.add("inexact")
+            warnings.warn(
+                "weighting='exact' is approximate for this model: its loss terms have "
+                "normalizers that are not proportional across the micro-batches of a "
+                "window (e.g. outputs with their own masks), so one weight per "
+                "micro-batch cannot reproduce the large-batch loss. Use equal "
+                "micro-batches, or a `weighting` callable for your normalizer.",
+                stacklevel=3,
+            )
+        skipped = int(state.skipped.numpy())
+        if (self.options.nonfinite == "skip" and skipped > self._skipped_at_start
+                and "skipped" not in self._warned):
+            self._warned.add("skipped")
+            warn_skipped(skipped - self._skipped_at_start, stacklevel=3)
+
+
+class EpochHook(keras.callbacks.Callback):
+    """Runs first among fit's callbacks: the epoch's position and length, the window
+    the data ends in, and the epoch's `updates` / `skipped` log entries."""
+
+    def __init__(self, accumulation: Accumulation):
+        super().__init__()
+        self.accumulation = accumulation
+        self.epochs_to_run = True
+        self.batches = 0
+        self.first_epoch = True
+
+    def _synced_state(self):
+        # Reading `self.model` syncs the trainer's state into the model's variables.
+        _ = self.model
+        return self.accumulation.state
+
+    def on_train_begin(self, logs=None):
+        state = self._synced_state()
+        steps = (self.params or {}).get("steps")
+        state.epoch_length.assign(int(steps) if steps else -1)
+        self.accumulation._skipped_at_start = int(state.skipped.numpy())
+        self.first_epoch = True
+        self.batches = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        state = self._synced_state()
+        if self.first_epoch and int(state.epoch_step.numpy()) > 0:
+            # Restored (BackupAndRestore) inside an epoch: the epoch restarts from
+            # its first batch, so skip what was already trained on.
+            state.resume_skip.assign(state.epoch_step.numpy())
+        state.epoch_step.assign(0)
+        self.first_epoch = False
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.batches += 1
+
+    def on_epoch_end(self, epoch, logs=None):
+        state = self._synced_state()
+        accumulation = self.accumulation
+        if logs is not None:
+            logs.pop(ERROR_KEY, None)
+        accumulation.raise_step_error()
+        accumulation.end_of_data()
+        state.epoch_step.assign(0)
+        accumulation.write_logs(logs)
+        accumulation.warn()
+
+    def on_train_end(self, logs=None):
+        self._synced_state()
+        self.accumulation.end_of_data()
+        if self.batches == 0 and self.epochs_to_run:
+            raise ValueError(
+                "`fit` must receive at least one micro-batch. Received: data that "
+                "yielded no batch (an empty dataset or array), so nothing was "
+                "accumulated or applied."
+            )
+
+
+class _RaisingHook(EpochHook):
+    """The hook when the step can record an error (`nonfinite="raise"`, a weighting
+    or schedule callable): checked after every call of the jitted step."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        if logs is not None and logs.pop(ERROR_KEY, 0):
+            self._synced_state()
+            self.accumulation.raise_step_error()

@@ -1,0 +1,335 @@
+"""The training step on JAX: one micro-batch, and an update when its window closes.
+
+`TrainStep(model, options, state)` is the model's `train_step(state, data)` while
+gradaccum accumulates for it: a pure function of the trainer's state, jitted with it.
+It runs the model's own loss (`compute_loss_and_updates`: the forward pass,
+`compute_loss`, the compiled loss and regularizers), differentiates the loss weighted
+by the micro-batch's weight, adds the gradient to the accumulators, and, when the
+window closes, makes one optimizer update with the combined gradient
+(`gradaccum.core.combine`) through the optimizer's `stateless_apply` inside a
+`lax.cond`: the update's math runs only when a window closes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import keras
+
+from gradaccum import _keras_common as kc
+from gradaccum.backends.jax.state import AccumulationState
+from gradaccum.core.combine import combine
+from gradaccum.weighting import callable_weight
+
+ERRORS = AccumulationState.ERRORS
+
+
+def all_finite(gradients):
+    """Whether every gradient is finite: one sum per gradient, and an element-wise
+    check only when a sum is not (a finite gradient whose sum overflows)."""
+    values = [g for g in gradients if g is not None]
+    if not values:
+        return jnp.asarray(True)
+    sums = jnp.stack([jnp.sum(v.astype("float32")) for v in values])
+    return jax.lax.cond(
+        jnp.all(jnp.isfinite(sums)),
+        lambda: jnp.asarray(True),
+        lambda: jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in values])),
+    )
+
+
+class TrainStep:
+    """The stateless training step of a model gradaccum accumulates for on JAX.
+
+    Args:
+        model: the user's model (Keras's default `train_step`).
+        options: the checked `Options`.
+        state: the model's `AccumulationState`.
+        normalizers: the `NormalizerLog` the compiled losses record `n_i` into.
+    """
+
+    def __init__(self, model, options, state: AccumulationState, normalizers):
+        self.model = model
+        self.options = options
+        self.state = state
+        self.normalizers = normalizers
+        self.warned_no_compiled_loss = False
+        metrics_variables = model.metrics_variables
+        ours = {id(v): name for name, v in state.named().items()}
+        # Where the state's variables sit among the trainer's metric variables.
+        self.slots = {ours[id(v)]: i for i, v in enumerate(metrics_variables) if id(v) in ours}
+        optimizer = model.optimizer
+        self.iterations_slot = next(
+            i for i, v in enumerate(optimizer.variables) if v is optimizer.iterations
+        )
+        self.variable_dtypes = [v.dtype for v in model.trainable_variables]
+        self.terms = int(state.term_ratios.shape[0])
+        # Whether the fit can restore inside an epoch (BackupAndRestore): only then
+        # does the step carry the branch that skips micro-batches trained on.
+        self.resumable = False
+
+    # The step ---------------------------------------------------------------------
+
+    def __call__(self, state, data):
+        trainable, non_trainable, optimizer_variables, metrics_variables = state
+        ours = {name: metrics_variables[i] for name, i in self.slots.items()}
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        (logs, trainable, non_trainable, optimizer_variables, metrics_variables,
+         ours) = self.micro_batch(trainable, non_trainable, optimizer_variables,
+                                  metrics_variables, ours, x, y, sample_weight)
+        metrics_variables = list(metrics_variables)
+        for name, i in self.slots.items():
+            metrics_variables[i] = ours[name]
+        logs = dict(logs, **self.counters(optimizer_variables, ours))
+        return logs, (trainable, non_trainable, optimizer_variables, metrics_variables)
+
+    def micro_batch(self, trainable, non_trainable, optimizer_variables,
+                    metrics_variables, ours, x, y, sample_weight):
+        model = self.model
+        options = self.options
+        mean = options.reduction == "mean"
+        ours = dict(ours)
+
+        def objective(trainable, non_trainable, metrics_variables):
+            self.normalizers.take()
+            loss, aux = model.compute_loss_and_updates(
+                trainable, non_trainable, metrics_variables, x, y, sample_weight,
+                training=True, optimizer_variables=optimizer_variables,
+            )
+            normalizers = self.normalizers.take()
+            weight = jax.lax.stop_gradient(
+                self.micro_batch_weight(x, y, sample_weight, normalizers)
+            )
+            value = loss * weight.astype(loss.dtype) if mean else loss
+            return value, (aux, weight, normalizers)
+
+        (_, (aux, weight, normalizers)), gradients = jax.value_and_grad(
+            objective, has_aux=True
+        )(trainable, non_trainable, metrics_variables)
+        unscaled_loss, y_pred, new_non_trainable, new_metrics = aux
+
+        error = jnp.asarray(0, "int32")
+        if callable(options.weighting):
+            negative = weight < 0
+            error = jnp.where(negative, ERRORS["negative_weight"], error)
+            weight = jnp.maximum(weight, 0.0)
+        if normalizers and len(normalizers) > 1:
+            ours = self.track_term_ratios(ours, normalizers)
+
+        accept = self.accepts(gradients)
+        finite = all_finite(gradients) if options.nonfinite == "raise" else None
+        if finite is not None:
+            error = jnp.where(finite, error, ERRORS["nonfinite"])
+        # A window opens: its length is the schedule's at the update it will make.
+        opening = (ours["micro_step"] + ours["window_skipped"]) == 0
+        if options.window.steps is not None:
+            length = options.window.length(ours["updates"])
+            if callable(options.window.steps):
+                error = jnp.where(opening & (length < 1), ERRORS["schedule"], error)
+                length = jnp.maximum(length, 1)
+            ours["window_steps"] = jnp.where(opening, length, ours["window_steps"])
+        # The first error is kept until fit raises it: where it happened (the
+        # micro-batch's place in its window; the update index for a schedule's).
+        position = ours["micro_step"] + ours["window_skipped"] + 1
+        where = jnp.where(error == ERRORS["schedule"], ours["updates"], position)
+        first = (ours["error"] == 0) & (error > 0)
+        ours["error_at"] = jnp.where(first, where, ours["error_at"])
+        ours["error"] = jnp.where(first, error, ours["error"])
+
+        sums = [ours[f"accumulator_{i}"] for i in range(len(trainable))]
+        weight = weight.astype(ours["total_weight"].dtype)
+        added = [
+            jnp.where(accept, total + g.astype(total.dtype), total)
+            for total, g in zip(sums, gradients)
+        ]
+        total_weight = ours["total_weight"] + jnp.where(accept, weight, 0)
+        micro_step = ours["micro_step"] + accept.astype("int32")
+        window_skipped = ours["window_skipped"] + (~accept).astype("int32")
+        ours["skipped"] = ours["skipped"] + (~accept).astype("int32")
+        epoch_step = ours["epoch_step"] + 1
+        length = micro_step + window_skipped
+        if options.window.steps is not None:
+            due = length >= ours["window_steps"]
+        else:
+            due = total_weight >= options.window.weight_per_update
+        end = (ours["epoch_length"] > 0) & (epoch_step >= ours["epoch_length"])
+        partial = options.partial
+        close = due | end if partial != "carry" else due
+        apply = close & (micro_step > 0) & ((partial != "drop") | due)
+
+        window = dict(ours, micro_step=micro_step, window_skipped=window_skipped,
+                      total_weight=total_weight)
+        for i, total in enumerate(added):
+            window[f"accumulator_{i}"] = total
+        trainable_after, optimizer_after, window = self.close(
+            trainable, optimizer_variables, window, apply, close
+        )
+        window["epoch_step"] = epoch_step
+        logs, metrics_after = self.update_metrics(
+            new_metrics, unscaled_loss, x, y, y_pred, sample_weight, weight
+        )
+        after = (trainable_after, list(new_non_trainable), optimizer_after,
+                 list(metrics_after), window)
+        if self.resumable:
+            # A restored run's micro-batch already trained on (BackupAndRestore
+            # inside an epoch): nothing changes but the epoch's position.
+            resuming = ours["resume_skip"] > 0
+            before = (list(trainable), list(non_trainable), list(optimizer_variables),
+                      list(metrics_variables), dict(ours, epoch_step=epoch_step))
+            after = jax.tree_util.tree_map(
+                lambda new, old: jnp.where(resuming, old, new), after, before
+            )
+            after[4]["resume_skip"] = jnp.maximum(ours["resume_skip"] - 1, 0)
+        return (logs, *after)
+
+    # Pieces -------------------------------------------------------------------------
+
+    def micro_batch_weight(self, x, y, sample_weight, normalizers):
+        """`w_i`: 1 (uniform), the user's callable, the compiled loss's normalizer
+        (exact), else the micro-batch's size."""
+        weighting = self.options.weighting
+        if weighting == "uniform":
+            return jnp.asarray(1.0, "float32")
+        if callable(weighting):
+            return callable_weight(weighting, x, y, sample_weight)
+        if not normalizers:
+            if not self.warned_no_compiled_loss:
+                self.warned_no_compiled_loss = True
+                import warnings
+
+                warnings.warn(
+                    "weighting='exact' found no compiled loss (only `add_loss` terms): "
+                    "micro-batches are weighted by their size.",
+                    stacklevel=2,
+                )
+            first = next(t for t in keras.tree.flatten(x) if t is not None)
+            return jnp.asarray(first.shape[0], "float32")
+        return jnp.asarray(normalizers[0], "float32")
+
+    def accepts(self, gradients):
+        """Whether the micro-batch is accumulated under `nonfinite` (a boolean)."""
+        nonfinite = self.options.nonfinite
+        if nonfinite == "apply":
+            return jnp.asarray(True)
+        if callable(nonfinite):
+            from gradaccum._validation import check_callable_result
+
+            skip = check_callable_result(
+                nonfinite(list(gradients)), "nonfinite",
+                kind="a boolean (True: skip the micro-batch)",
+                scalar="a scalar boolean", accepts=lambda dtype: dtype == "bool",
+            )
+            return ~skip
+        return all_finite(gradients)
+
+    def track_term_ratios(self, ours, normalizers):
+        first = jnp.asarray(normalizers[0], "float32")
+        safe = jnp.where(first == 0, 1.0, first)
+        ratios = jnp.stack([
+            jnp.where(first == 0, 0.0, jnp.asarray(n, "float32") / safe)
+            for n in normalizers[1:]
+        ])[: self.terms]
+        previous = ours["term_ratios"]
+        opening = (ours["micro_step"] + ours["window_skipped"]) == 0
+        differs = jnp.any(jnp.abs(ratios - previous) > 1e-6 * jnp.abs(previous))
+        ours["inexact"] = ours["inexact"] | (~opening & differs)
+        ours["term_ratios"] = jnp.where(opening, ratios, previous)
+        return ours
+
+    def close(self, trainable, optimizer_variables, window, apply, close):
+        """The window after this micro-batch: applied with one optimizer update when
+        `apply`, reset when `close`."""
+        model = self.model
+        n = len(trainable)
+        options = self.options
+
+        def update(operands):
+            trainable, optimizer_variables, sums, total_weight = operands
+            gradients = combine(sums, total_weight, options.reduction, self.variable_dtypes)
+            return model.optimizer.stateless_apply(
+                list(optimizer_variables), gradients, list(trainable)
+            )
+
+        def keep(operands):
+            trainable, optimizer_variables, _, _ = operands
+            return list(trainable), list(optimizer_variables)
+
+        sums = [window[f"accumulator_{i}"] for i in range(n)]
+        trainable, optimizer_variables = jax.lax.cond(
+            apply, update, keep,
+            (list(trainable), list(optimizer_variables), sums, window["total_weight"]),
+        )
+        window = dict(window)
+        length = window["micro_step"] + window["window_skipped"]
+        window["updates"] = window["updates"] + apply.astype("int32")
+        window["last_window_micro_batches"] = jnp.where(
+            apply, length, window["last_window_micro_batches"]
+        )
+        window["last_window_weight"] = jnp.where(
+            apply, window["total_weight"], window["last_window_weight"]
+        )
+        for i, total in enumerate(sums):
+            window[f"accumulator_{i}"] = jnp.where(close, jnp.zeros_like(total), total)
+        for field in ("total_weight", "micro_step", "window_skipped"):
+            window[field] = jnp.where(close, jnp.zeros_like(window[field]), window[field])
+        return trainable, optimizer_variables, window
+
+    def update_metrics(self, metrics_variables, loss, x, y, y_pred, sample_weight, weight):
+        """The loss tracker (weighted by the micro-batch's weight, so the epoch's
+        loss is the window's) and the compiled metrics, as Keras's step updates them."""
+        model = self.model
+        mapping = list(zip(model.metrics_variables, metrics_variables))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            kc.loss_tracker(model).update_state(loss, sample_weight=weight)
+            logs = model.compute_metrics(x, y, y_pred, sample_weight)
+        updated = []
+        for ref, value in zip(model.metrics_variables, metrics_variables):
+            new = scope.get_current_value(ref)
+            updated.append(value if new is None else new)
+        return logs, updated
+
+    def counters(self, optimizer_variables, ours) -> dict:
+        """`updates`, `window_micro_batches`, `window_weight`, `skipped` and the
+        step's error for the hook, read in the jitted step."""
+        logs = {
+            "updates": optimizer_variables[self.iterations_slot].astype("float32"),
+            "window_micro_batches": ours["last_window_micro_batches"].astype("float32"),
+            "window_weight": ours["last_window_weight"].astype("float32"),
+        }
+        if self.options.nonfinite != "apply":
+            logs["skipped"] = ours["skipped"].astype("float32")
+        if self.raises:
+            logs[ERROR_KEY] = ours["error"]
+        return logs
+
+    @property
+    def raises(self) -> bool:
+        """Whether the step can find an error that `fit` raises after it."""
+        options = self.options
+        return (options.nonfinite == "raise" or callable(options.weighting)
+                or callable(options.window.steps))
+
+    def close_eagerly(self, apply: bool):
+        """A function of the model's variables that closes the open window (applies
+        it when `apply` and it holds an accepted micro-batch): the end of the data,
+        outside the step."""
+        model = self.model
+        trainable = [v.value for v in model.trainable_variables]
+        optimizer_variables = [v.value for v in model.optimizer.variables]
+        window = {name: v.value for name, v in self.state.named().items()}
+        has = window["micro_step"] > 0
+        applied = jnp.asarray(apply) & has
+        trainable, optimizer_variables, window = jax.jit(self.close)(
+            trainable, optimizer_variables, window, applied, jnp.asarray(True)
+        )
+        for v, value in zip(model.trainable_variables, trainable):
+            v.assign(value)
+        for v, value in zip(model.optimizer.variables, optimizer_variables):
+            v.assign(value)
+        for name, v in self.state.named().items():
+            v.assign(window[name])
+        return bool(applied)
+
+
+# The log entry that carries the step's error to fit's hook (which removes it).
+ERROR_KEY = "_gradaccum_error"
