@@ -1,26 +1,45 @@
 #!/usr/bin/env bash
-# The test command of the README: sets up .venv with the standard TensorFlow wheel,
-# KerasHub and the test tools, then runs ruff and pytest (tests/ and the doctests of
-# src/gradaccum) in two worker processes (pytest-xdist).
+# The test command of the README: sets up .venv with the standard TensorFlow wheel, JAX,
+# KerasHub and the test tools, then runs ruff and pytest on each of Keras's backends
+# gradaccum supports, one process per backend (Keras fixes its backend per process), each
+# in two worker processes (pytest-xdist): TensorFlow runs tests/ and the doctests of
+# src/gradaccum, JAX runs tests/jax_backend.
 #
-#   bash scripts/test.sh          the whole suite; ends with its 15 slowest tests (CI)
+#   bash scripts/test.sh          the whole suite; each backend's run ends with its 15
+#                                 slowest tests (CI)
 #   bash scripts/test.sh --fast   the fast tier: tests not marked `slow` (tests/tiers.py),
 #                                 few hypothesis examples (a few minutes)
 #
 # Other arguments go to pytest (`bash scripts/test.sh --fast -k split -x`; `-n 0` for one
-# process; a `-m` of your own replaces the tier's).
+# process; a `-m` of your own replaces the tier's). GRADACCUM_BACKENDS chooses the
+# backends (default "tensorflow jax"; `GRADACCUM_BACKENDS=jax bash scripts/test.sh`).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 GRADACCUM_EXTRAS=tf,experiment,test,hub source "$root/scripts/setup.sh"
 cd "$root"
 python -m ruff check .
 tier=(--durations=15)
+fast=0
 args=()
 for arg in "$@"; do
   if [ "$arg" = "--fast" ]; then
+    fast=1
     tier=(-m "not slow" --hypothesis-profile=fast)
   else
     args+=("$arg")
   fi
 done
-exec python -m pytest -n "${GRADACCUM_TEST_WORKERS:-2}" "${tier[@]}" ${args[@]+"${args[@]}"}
+status=0
+for backend in ${GRADACCUM_BACKENDS:-tensorflow jax}; do
+  echo "== Keras backend: $backend =="
+  paths=()
+  workers="${GRADACCUM_TEST_WORKERS:-2}"
+  if [ "$backend" = "jax" ]; then
+    paths=(tests/jax_backend)
+    # JAX's fast tier is ~40 s of tests: starting two workers costs more than it saves.
+    if [ "$fast" = 1 ]; then workers="${GRADACCUM_TEST_WORKERS:-0}"; fi
+  fi
+  KERAS_BACKEND="$backend" python -m pytest -n "$workers" "${tier[@]}" \
+    ${paths[@]+"${paths[@]}"} ${args[@]+"${args[@]}"} || status=$?
+done
+exit "$status"

@@ -10,11 +10,16 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
+
+if keras.backend.backend() != "jax":  # the JAX process (tests/jax_backend) needs no TensorFlow
+    import tensorflow as tf
 
 import tiers  # noqa: E402
 
 TESTS = pathlib.Path(__file__).resolve().parent
+
+# tests/jax_backend runs in a process of its own with KERAS_BACKEND=jax (scripts/test.sh).
+collect_ignore = ["jax_backend"] if keras.backend.backend() != "jax" else []
 
 OPTIMIZERS = {
     "sgd": lambda: keras.optimizers.SGD(0.1),

@@ -91,9 +91,36 @@ FEATURES = {
         "test_cli.py::test_train_short_run_output_format_and_json",
     "property-based windows against the large batch (few examples with --fast)":
         "test_properties.py::test_accumulator_equals_the_large_batch",
+    # The JAX suite (tests/jax, its own process with KERAS_BACKEND=jax).
+    "JAX: accumulate, unequal micro-batches, several optimizers":
+        "jax_backend/test_jax_accumulate.py::test_unequal_micro_batches_equal_one_step_on_each_window",
+    "JAX: masks and sample weights":
+        "jax_backend/test_jax_accumulate.py::"
+        "test_masked_sequences_of_unequal_length_with_sample_weights_are_exact",
+    "JAX: schedules":
+        "jax_backend/test_jax_accumulate.py::test_a_schedule_of_steps_by_update_index",
+    "JAX: resuming inside a window":
+        "jax_backend/test_jax_accumulate.py::test_save_weights_in_the_middle_of_a_window_resumes_exactly",
 }
 
 SLOW = [
+    # KerasHub tasks on JAX (about a minute each on 2 cores).
+    "jax_backend/test_jax_hub.py",
+    # The JAX adapter's other options (each compiles its own step: seconds apiece); its
+    # fast tier keeps FEATURES' JAX rows, the partial window, the budget, the skip, the
+    # bad inputs and the README's JAX code.
+    "jax_backend/test_jax_accumulate.py::test_keras_gradient_accumulation_steps_is_not_exact_here",
+    "jax_backend/test_jax_accumulate.py::test_carry_keeps_the_window_open_across_epochs",
+    "jax_backend/test_jax_accumulate.py::test_sample_weights_and_class_weights_are_exact",
+    "jax_backend/test_jax_accumulate.py::test_uniform_callable_weighting_and_sum_reduction",
+    "jax_backend/test_jax_accumulate.py::test_nonfinite_raise_stops_fit_naming_the_micro_batch",
+    "jax_backend/test_jax_accumulate.py::test_nonfinite_callable_skips_what_it_says",
+    "jax_backend/test_jax_accumulate.py::test_steps_per_execution_and_no_jit",
+    "jax_backend/test_jax_accumulate.py::test_lr_schedule_counts_updates",
+    "jax_backend/test_jax_accumulate.py::test_a_model_with_its_own_compute_loss",
+    "jax_backend/test_jax_accumulate.py::test_backup_and_restore_resumes_inside_an_epoch",
+    "jax_backend/test_jax_accumulate.py::test_disable_restores_plain_keras_training",
+    "jax_backend/test_jax_accumulate.py::test_model_save_writes_plain_keras",
     # Child processes that start TensorFlow, several times each.
     "test_faults.py",
     "test_install.py",
@@ -173,6 +200,7 @@ SLOW = [
 
 HUB = [
     "test_accumulate_hub.py",
+    "jax_backend/test_jax_hub.py",
 ]
 
 MULTI_DEVICE = [

@@ -1,0 +1,64 @@
+"""Small models with fixed weights and their references on JAX: plain Keras on JAX
+trained on the concatenated windows."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+
+SCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def mlp(seed: int = 0) -> keras.Model:
+    """A 6 -> 8 -> 3 MLP whose initial weights depend only on `seed`."""
+    model = keras.Sequential([
+        keras.Input((6,)),
+        keras.layers.Dense(8, activation="tanh"),
+        keras.layers.Dense(3),
+    ])
+    rng = np.random.default_rng(seed)
+    model.set_weights([rng.normal(0, 0.5, w.shape).astype(w.dtype) for w in model.get_weights()])
+    return model
+
+
+def data(n: int, seed: int = 1):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 6)).astype("float32")
+    y = rng.integers(0, 3, size=(n,)).astype("int32")
+    return x, y
+
+
+def windows_of(sizes, window_lengths):
+    """Index arrays of the windows: micro-batches of `sizes` (in order) grouped by
+    `window_lengths` (micro-batches per window)."""
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    out, i = [], 0
+    for length in window_lengths:
+        out.append(np.arange(starts[i], starts[i + length]))
+        i += length
+    return out
+
+
+def reference_fit(model, windows, x, y, sample_weight=None, epochs=1):
+    """Plain Keras on JAX, one `train_on_batch` per window (per epoch)."""
+    for _ in range(epochs):
+        for index in windows:
+            sw = None if sample_weight is None else sample_weight[index]
+            model.train_on_batch(x[index], y[index], sample_weight=sw)
+    return model
+
+
+def max_gap(a, b) -> float:
+    return max(float(np.max(np.abs(u - v))) for u, v in zip(a.get_weights(), b.get_weights()))
+
+
+def assert_weights_close(a, b, rtol=1e-5, atol=1e-6):
+    for u, v in zip(a.get_weights(), b.get_weights()):
+        np.testing.assert_allclose(u, v, rtol=rtol, atol=atol)
+
+
+def assert_optimizer_close(a, b, rtol=1e-5, atol=1e-6):
+    assert len(a.variables) == len(b.variables)
+    for u, v in zip(a.variables, b.variables):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=rtol, atol=atol,
+                                   err_msg=u.path)

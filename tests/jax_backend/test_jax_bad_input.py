@@ -1,0 +1,122 @@
+"""What gradaccum refuses on JAX, each with its fixed-form message."""
+
+from __future__ import annotations
+
+import re
+
+import keras
+import numpy as np
+import pytest
+from helpers import SCE, data, mlp
+
+import gradaccum
+
+
+def test_split_mode_names_the_backend_it_runs_on():
+    with pytest.raises(ValueError, match=re.escape(
+        "`micro_batch_size` (split mode) runs on Keras's TensorFlow backend; on JAX give "
+        "`steps` (each batch is a micro-batch). Received: micro_batch_size=4 with "
+        "keras.backend.backend()='jax'"
+    )):
+        gradaccum.accumulate(mlp(), micro_batch_size=4)
+
+
+def test_a_schedule_callable_jax_cannot_trace():
+    def python_if(update_index):
+        return 1 if update_index < 2 else 4
+
+    with pytest.raises(ValueError, match=re.escape(
+        "The `steps` callable must be traceable by JAX: written with `keras.ops` / "
+        "`jax.numpy` (`jnp.where` rather than a Python `if` on the update index). "
+        "Received: a callable that failed on a traced update index: "
+        "TracerBoolConversionError"
+    )):
+        gradaccum.accumulate(mlp(), steps=python_if)
+
+
+def test_a_schedule_callable_of_zero_or_a_float():
+    with pytest.raises(ValueError, match=re.escape(
+        "The `steps` callable must return an integer >= 1. Received: 0 for update_index=0"
+    )):
+        gradaccum.accumulate(mlp(), steps=lambda i: i * 0)
+    with pytest.raises(ValueError, match=re.escape(
+        "The `steps` callable must return an integer >= 1. Received: a value of dtype float32"
+    )):
+        gradaccum.accumulate(mlp(), steps=lambda i: keras.ops.cast(i, "float32") + 1.5)
+
+
+def test_a_schedule_that_later_returns_zero_raises_at_its_window():
+    x, y = data(24)
+    model = gradaccum.accumulate(
+        mlp(), steps=lambda i: keras.ops.where(i < 2, 2, 0)
+    )
+    model.compile("sgd", SCE)
+    with pytest.raises(ValueError, match=re.escape(
+        "The `steps` callable must return an integer >= 1. Received: a value < 1 for "
+        "update_index=2"
+    )):
+        model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+
+
+def test_a_negative_weight_from_the_weighting_callable():
+    x, y = data(24)
+    model = gradaccum.accumulate(mlp(), steps=2, weighting=lambda x, y, sw: -1.0)
+    model.compile("sgd", SCE)
+    with pytest.raises(ValueError, match=re.escape(
+        "The `weighting` callable must return a weight >= 0. Received: a negative weight "
+        "for micro-batch 1 of its window"
+    )):
+        model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+
+
+def test_a_model_with_its_own_train_step():
+    class OwnStep(keras.Sequential):
+        def train_step(self, state, data):
+            return super().train_step(state, data)
+
+    model = OwnStep([keras.Input((6,)), keras.layers.Dense(3)])
+    with pytest.raises(ValueError, match=re.escape(
+        "On Keras's JAX backend gradaccum trains models that use Keras's default "
+        "`train_step` (their own `compute_loss`, compiled loss and metrics run "
+        "unchanged). Received: model"
+    )):
+        gradaccum.accumulate(model, steps=2)
+
+
+def test_a_loss_scale_optimizer():
+    x, y = data(8)
+    model = gradaccum.accumulate(mlp(), steps=2)
+    model.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()), SCE)
+    with pytest.raises(ValueError, match=re.escape(
+        "On Keras's JAX backend gradaccum does not train with a LossScaleOptimizer "
+        "(mixed_float16)"
+    )):
+        model.fit(x, y, batch_size=4, verbose=0)
+
+
+@pytest.mark.parametrize("name", ["GradientAccumulator", "wrap", "BatchNormalization"])
+def test_tensorflow_only_names_say_where_they_run(name):
+    gradaccum.__dict__.pop(name, None)
+    with pytest.raises(ImportError, match=re.escape(
+        f"gradaccum.{name} runs on Keras's TensorFlow backend. Received: "
+        "keras.backend.backend()='jax'. On JAX, use gradaccum.accumulate(model, "
+        "steps=...) with the model's own fit, or set KERAS_BACKEND=tensorflow before "
+        "Keras is imported."
+    )):
+        getattr(gradaccum, name)
+
+
+def test_every_option_of_the_catalogue_is_checked_as_on_tensorflow():
+    cases = [
+        (dict(steps=0), "`steps` must be"),
+        (dict(steps=2, partial="later"), "`partial` must be one of 'flush', 'carry', 'drop'"),
+        (dict(steps=2, reduction="max"), "`reduction` must be one of 'mean', 'sum'"),
+        (dict(steps=2, weighting="tokens"), "`weighting` must be one of"),
+        (dict(steps=2, nonfinite="ignore"), "`nonfinite` must be one of"),
+        (dict(steps=2, accumulator_dtype="int32"), "`accumulator_dtype` must be a floating"),
+        (dict(steps=2, weight_per_update=4), "`steps` and `weight_per_update` cannot"),
+    ]
+    for options, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            gradaccum.accumulate(mlp(), **options)
+    assert np.isfinite(1.0)
