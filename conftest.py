@@ -27,7 +27,10 @@ TIERS = _tiers()
 
 
 def pytest_configure(config):
-    """Two logical CPU devices for the tf.distribute tests, before TensorFlow starts."""
+    """Two logical CPU devices for the tf.distribute tests, before TensorFlow starts
+    (not in the JAX process: KERAS_BACKEND=jax, tests/jax_backend)."""
+    if os.environ.get("KERAS_BACKEND") == "jax":
+        return
     import tensorflow as tf
 
     cpu = tf.config.list_physical_devices("CPU")[0]
