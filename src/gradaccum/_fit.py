@@ -20,14 +20,13 @@ callback that runs first among `fit`'s callbacks.
 from __future__ import annotations
 
 import threading
-import warnings
 
 import keras
 import numpy as np
 import tensorflow as tf
 
+from gradaccum import _fit_common, _retry, _split, _window, batch_norm
 from gradaccum import _keras_compat as kc
-from gradaccum import _retry, _split, _window, batch_norm
 from gradaccum._distributed import COUNTED, check_split_synchronization, distribution_of
 from gradaccum._screening import compiled_raise_message
 from gradaccum._state import Untracked
@@ -163,11 +162,7 @@ class EpochHook(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         self._accumulation.value.end_of_data()
         if self._calls == 0 and self.epochs_to_run:
-            raise ValueError(
-                "`fit` must receive at least one micro-batch. Received: data that "
-                "yielded no batch (an empty dataset or array), so nothing was "
-                "accumulated or applied."
-            )
+            raise ValueError(_fit_common.EMPTY_FIT)
 
 
 class _Forward(keras.callbacks.Callback):
@@ -583,22 +578,7 @@ class Accumulation:
     def _restore_pending(self) -> None:
         if not self._pending or self.state is None:
             return
-        for key, variable in self.saved_variables().items():
-            if key not in self._pending:
-                continue
-            value = self._pending.pop(key)
-            if tuple(value.shape) != tuple(variable.shape):
-                # The model's variables changed since: that window cannot go on.
-                if np.any(value):
-                    warnings.warn(
-                        f"gradaccum discards the saved accumulation state {key!r}: its "
-                        f"shape {tuple(value.shape)} is not the variable's "
-                        f"{tuple(variable.shape)} (the model's trainable variables "
-                        "changed).",
-                        stacklevel=2,
-                    )
-                continue
-            variable.assign(value)
+        _fit_common.restore(self.saved_variables(), self._pending)
 
     # The training step -----------------------------------------------------------
 
@@ -948,14 +928,7 @@ class Accumulation:
         if state is None or self._inexact_warned or not bool(state.inexact.numpy()):
             return
         self._inexact_warned = True
-        warnings.warn(
-            "weighting='exact' is approximate for this model: its loss terms have "
-            "normalizers that are not proportional across the micro-batches of a "
-            "window (e.g. outputs with their own masks), so one weight per "
-            "micro-batch cannot reproduce the large-batch loss. Use equal "
-            "micro-batches, or a `weighting` callable for your normalizer.",
-            stacklevel=2,
-        )
+        _fit_common.warn_inexact()
 
     def warn_if_skipped(self) -> None:
         state = self.state
@@ -968,8 +941,4 @@ class Accumulation:
             state.accumulators()[0]._warn_skipped(skipped, stacklevel=3)
 
     def _warn_no_compiled_loss(self):
-        warnings.warn(
-            "weighting='exact' found no compiled loss (only `add_loss` terms): "
-            "micro-batches are weighted by their size.",
-            stacklevel=2,
-        )
+        _fit_common.warn_no_compiled_loss()

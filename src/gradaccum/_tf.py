@@ -42,12 +42,10 @@ BACKENDS = ("tensorflow", "jax")
 # What runs on TensorFlow only (a custom tf loop, tf.distribute, batch norm's pooled
 # statistics): on JAX these names raise an ImportError that says so.
 TENSORFLOW_ONLY = (
-    "AccumulatingModel",
     "BatchNormalization",
     "CountingCrossDeviceOps",
     "GradientAccumulator",
     "convert_batch_normalization",
-    "wrap",
 )
 
 
@@ -85,7 +83,7 @@ def require_supported_backend(name: str | None = None) -> str:
         raise ImportError(
             f"gradaccum.{name} runs on Keras's TensorFlow backend. Received: "
             f"keras.backend.backend()={backend!r}. On JAX, use gradaccum.accumulate"
-            "(model, steps=...) with the model's own fit, or set KERAS_BACKEND=tensorflow "
-            "before Keras is imported."
+            "(model, steps=...) with the model's own fit (or gradaccum.wrap), or set "
+            "KERAS_BACKEND=tensorflow before Keras is imported."
         )
     return backend

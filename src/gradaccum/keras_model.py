@@ -3,7 +3,7 @@
 `AccumulatingModel` is a `keras.Model` around the user's model: it calls it, and
 `fit` trains the wrapped model's own variables with gradaccum's exact step and the
 wrapper's compiled loss. The accumulation itself is the one mechanism of
-`gradaccum.accumulate` (`_fit.Accumulation`) attached to the wrapper. Prefer
+`gradaccum.accumulate` (the backend's `Accumulation`) attached to the wrapper. Prefer
 `gradaccum.accumulate`, which trains the model through its own `fit`, `train_step`
 and `compute_loss`; `wrap` stays for code written against it.
 """
@@ -14,11 +14,9 @@ import warnings
 
 import keras
 
-from gradaccum import _keras_compat as kc
-from gradaccum._distributed import distribution_of
-from gradaccum._fit import PARTIALS, Accumulation, Options  # noqa: F401 (PARTIALS re-exported)
+from gradaccum import _backend
 from gradaccum._validation import check_optimizer
-from gradaccum.batch_norm import convert_batch_normalization
+from gradaccum.core.window import PARTIALS  # noqa: F401 (re-exported)
 from gradaccum.weighting import record_normalizers
 
 
@@ -79,11 +77,20 @@ class AccumulatingModel(keras.Model):
                 "`convert_batch_norm` must be True or False. "
                 f"Received: convert_batch_norm={convert_batch_norm!r}"
             )
+        backend = _backend.current()
         if convert_batch_norm:
+            if keras.backend.backend() != "tensorflow":
+                raise ValueError(
+                    "`convert_batch_norm` must be False on Keras's "
+                    f"{keras.backend.backend()!r} backend: gradaccum.BatchNormalization "
+                    "runs on TensorFlow. Received: convert_batch_norm=True"
+                )
+            from gradaccum.batch_norm import convert_batch_normalization
+
             model = convert_batch_normalization(model)
         if model.built:
-            distribution_of(model.trainable_variables)
-        options = Options(
+            backend.check_model(model)
+        options = backend.Options(
             steps, weighting, partial, reduction, accumulator_dtype, nonfinite,
             micro_batch_size=micro_batch_size, max_micro_batch_size=max_micro_batch_size,
             weight_per_update=weight_per_update,
@@ -100,7 +107,7 @@ class AccumulatingModel(keras.Model):
         self.reduction = options.reduction
         self.accumulator_dtype = options.accumulator_dtype
         self.nonfinite = options.nonfinite
-        self._accumulation = Accumulation(options, layers=model)
+        self._accumulation = backend.Accumulation(options, layers=model)
         self._accumulation.attach(self)
         # The micro-batch size in use (split mode), outside Keras's tracking.
         self.__dict__["micro_batch_size"] = self._accumulation.micro_batch_size
@@ -131,7 +138,7 @@ class AccumulatingModel(keras.Model):
         """
         if steps_per_execution == "window":
             steps_per_execution = self._accumulation.options.steps_per_execution(
-                self.distribute_strategy.num_replicas_in_sync
+                self._accumulation.replicas()
             )
         optimizer = keras.optimizers.get(optimizer)
         check_optimizer(optimizer)
@@ -191,11 +198,12 @@ class AccumulatingModel(keras.Model):
 
     def evaluate(self, *args, **kwargs):
         self._accumulation.before_evaluate(kwargs)
-        with kc.across_workers(self):
+        with self._accumulation.evaluating():
             return super().evaluate(*args, **kwargs)
 
-    def train_step(self, data):
-        return self._accumulation.train_step(data)
+    def train_step(self, *args):
+        # (data) on TensorFlow, (state, data) on JAX.
+        return self._accumulation.train_step(*args)
 
     # Saving: the accumulation state travels with the weights ---------------------
 

@@ -11,11 +11,11 @@ the data ends in, the errors the jitted step can only record, and the `updates` 
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import keras
 import numpy as np
 
+from gradaccum import _fit_common
 from gradaccum import _keras_common as kc
 from gradaccum.backends.jax.state import AccumulationState
 from gradaccum.backends.jax.step import ERROR_KEY, TrainStep
@@ -203,21 +203,7 @@ class Accumulation:
     def _restore_pending(self) -> None:
         if not self._pending or self.state is None:
             return
-        for name, variable in self.state.named().items():
-            if name not in self._pending:
-                continue
-            value = self._pending.pop(name)
-            if tuple(value.shape) != tuple(variable.shape):
-                if np.any(value):
-                    warnings.warn(
-                        f"gradaccum discards the saved accumulation state {name!r}: its "
-                        f"shape {tuple(value.shape)} is not the variable's "
-                        f"{tuple(variable.shape)} (the model's trainable variables "
-                        "changed).",
-                        stacklevel=2,
-                    )
-                continue
-            variable.assign(value.astype(variable.dtype))
+        _fit_common.restore(self.state.named(), self._pending)
 
     # fit ----------------------------------------------------------------------------
 
@@ -305,14 +291,7 @@ class Accumulation:
             return
         if bool(state.inexact.numpy()) and "inexact" not in self._warned:
             self._warned.add("inexact")
-            warnings.warn(
-                "weighting='exact' is approximate for this model: its loss terms have "
-                "normalizers that are not proportional across the micro-batches of a "
-                "window (e.g. outputs with their own masks), so one weight per "
-                "micro-batch cannot reproduce the large-batch loss. Use equal "
-                "micro-batches, or a `weighting` callable for your normalizer.",
-                stacklevel=3,
-            )
+            _fit_common.warn_inexact(stacklevel=4)
         skipped = int(state.skipped.numpy())
         if (self.options.nonfinite == "skip" and skipped > self._skipped_at_start
                 and "skipped" not in self._warned):
@@ -371,11 +350,7 @@ class EpochHook(keras.callbacks.Callback):
         self._synced_state()
         self.accumulation.end_of_data()
         if self.batches == 0 and self.epochs_to_run:
-            raise ValueError(
-                "`fit` must receive at least one micro-batch. Received: data that "
-                "yielded no batch (an empty dataset or array), so nothing was "
-                "accumulated or applied."
-            )
+            raise ValueError(_fit_common.EMPTY_FIT)
 
 
 class _RaisingHook(EpochHook):

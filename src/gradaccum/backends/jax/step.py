@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import keras
 
+from gradaccum import _fit_common
 from gradaccum import _keras_common as kc
 from gradaccum.backends.jax.state import AccumulationState
 from gradaccum.core.combine import combine
@@ -195,13 +196,7 @@ class TrainStep:
         if not normalizers:
             if not self.warned_no_compiled_loss:
                 self.warned_no_compiled_loss = True
-                import warnings
-
-                warnings.warn(
-                    "weighting='exact' found no compiled loss (only `add_loss` terms): "
-                    "micro-batches are weighted by their size.",
-                    stacklevel=2,
-                )
+                _fit_common.warn_no_compiled_loss()
             first = next(t for t in keras.tree.flatten(x) if t is not None)
             return jnp.asarray(first.shape[0], "float32")
         return jnp.asarray(normalizers[0], "float32")

@@ -1,0 +1,55 @@
+"""What the fit integration says and restores the same way on every backend: the
+warnings and errors of `fit`, and the restore of saved accumulation state."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+EMPTY_FIT = (
+    "`fit` must receive at least one micro-batch. Received: data that yielded no batch "
+    "(an empty dataset or array), so nothing was accumulated or applied."
+)
+
+
+def warn_inexact(stacklevel: int = 3) -> None:
+    """Several loss terms whose normalizers are not proportional across a window."""
+    warnings.warn(
+        "weighting='exact' is approximate for this model: its loss terms have "
+        "normalizers that are not proportional across the micro-batches of a "
+        "window (e.g. outputs with their own masks), so one weight per "
+        "micro-batch cannot reproduce the large-batch loss. Use equal "
+        "micro-batches, or a `weighting` callable for your normalizer.",
+        stacklevel=stacklevel,
+    )
+
+
+def warn_no_compiled_loss(stacklevel: int = 3) -> None:
+    warnings.warn(
+        "weighting='exact' found no compiled loss (only `add_loss` terms): "
+        "micro-batches are weighted by their size.",
+        stacklevel=stacklevel,
+    )
+
+
+def restore(named: dict, pending: dict) -> None:
+    """Assigns the saved values in `pending` (popped) to the variables of `named` of
+    the same name; a value whose shape is no longer the variable's (the model's
+    trainable variables changed since) is discarded, with a warning if it held
+    anything: that window cannot go on."""
+    for key, variable in named.items():
+        if key not in pending:
+            continue
+        value = np.asarray(pending.pop(key))
+        if tuple(value.shape) != tuple(variable.shape):
+            if np.any(value):
+                warnings.warn(
+                    f"gradaccum discards the saved accumulation state {key!r}: its "
+                    f"shape {tuple(value.shape)} is not the variable's "
+                    f"{tuple(variable.shape)} (the model's trainable variables "
+                    "changed).",
+                    stacklevel=3,
+                )
+            continue
+        variable.assign(value)
