@@ -121,6 +121,12 @@ SLOW = [
     "jax_backend/test_jax_accumulate.py::test_backup_and_restore_resumes_inside_an_epoch",
     "jax_backend/test_jax_accumulate.py::test_disable_restores_plain_keras_training",
     "jax_backend/test_jax_accumulate.py::test_model_save_writes_plain_keras",
+    "jax_backend/test_jax_accumulate.py::test_train_on_batch_after_fit_keeps_the_window_rule",
+    "jax_backend/test_jax_accumulate.py::test_train_on_batch_raises_what_fit_raises",
+    "jax_backend/test_jax_accumulate.py::"
+    "test_a_compile_that_freezes_a_layer_keeps_each_variables_window",
+    "jax_backend/test_jax_accumulate.py::"
+    "test_save_weights_after_a_recompile_keeps_the_open_window",
     # Child processes that start TensorFlow, several times each.
     "test_faults.py",
     "test_install.py",

@@ -369,6 +369,10 @@ class Accumulation:
     def detach(self) -> None:
         """`disable`: nothing of the state lives in the host on TensorFlow."""
 
+    def after_train_on_batch(self, logs):
+        """`train_on_batch`'s logs as they are: on TensorFlow the step raises itself."""
+        return logs
+
     def attach(self, host, own_step=None) -> None:
         """Attaches to `host`; `own_step` is the host's own `train_step` (bound), or
         None for gradaccum's exact step."""

@@ -29,6 +29,7 @@ _OVERRIDES = (
     "evaluate",
     "train_step",
     "make_train_function",
+    "train_on_batch",
     "save_weights",
     "load_weights",
 )
@@ -253,6 +254,9 @@ def _install(model, accumulation) -> None:
         # (data) on TensorFlow, (state, data) on JAX.
         return accumulation.train_step(*args)
 
+    def train_on_batch(*args, **kwargs):
+        return accumulation.after_train_on_batch(cls.train_on_batch(model, *args, **kwargs))
+
     def make_train_function(force=False):
         return accumulation.make_train_function(
             lambda force: cls.make_train_function(model, force=force), force
@@ -280,6 +284,7 @@ def _install(model, accumulation) -> None:
         ("evaluate", evaluate),
         ("train_step", train_step),
         ("make_train_function", make_train_function),
+        ("train_on_batch", train_on_batch),
         ("save_weights", save_weights),
         ("load_weights", load_weights),
         (_ATTRIBUTE, accumulation),

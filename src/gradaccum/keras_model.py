@@ -201,6 +201,9 @@ class AccumulatingModel(keras.Model):
         with self._accumulation.evaluating():
             return super().evaluate(*args, **kwargs)
 
+    def train_on_batch(self, *args, **kwargs):
+        return self._accumulation.after_train_on_batch(super().train_on_batch(*args, **kwargs))
+
     def train_step(self, *args):
         # (data) on TensorFlow, (state, data) on JAX.
         return self._accumulation.train_step(*args)

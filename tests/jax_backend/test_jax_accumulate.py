@@ -3,6 +3,8 @@ trained on the concatenated windows."""
 
 from __future__ import annotations
 
+import re
+
 import jax.numpy as jnp
 import keras
 import numpy as np
@@ -204,13 +206,90 @@ def test_nonfinite_micro_batch_is_skipped_with_its_weight():
     assert history.history["updates"] == [3.0]
 
 
-def test_nonfinite_raise_stops_fit_naming_the_micro_batch():
+@pytest.mark.parametrize("steps_per_execution", [1, 4])
+def test_nonfinite_raise_stops_fit_naming_the_micro_batch(steps_per_execution):
     x, y = data(24)
-    x[9, 0] = np.inf
-    model = _trainer(steps=2, nonfinite="raise")
-    with pytest.raises(FloatingPointError, match="not finite .* micro-batch 1 .* micro-batch 1 "
-                       "of its window"):
+    x[5, 0] = np.inf  # micro-batch 2, which completes the first window of 2
+    model = _trainer(steps=2, nonfinite="raise", optimizer=keras.optimizers.SGD(0.5))
+    model.compile(keras.optimizers.SGD(0.5), SCE, steps_per_execution=steps_per_execution)
+    with pytest.raises(FloatingPointError, match=re.escape(
+        "gradaccum: a gradient is not finite (inf or nan) in micro-batch 2 (counted from "
+        "1; the micro-batch 2 of its window): nonfinite=raise stops here."
+    )):
         model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    # Nothing after the bad micro-batch trained (not the window it completed, nor the
+    # rest of its compiled call): the weights are the initial ones.
+    assert int(model.optimizer.iterations) == 0
+    assert max_gap(model, mlp(0)) == 0.0
+
+
+def test_train_on_batch_after_fit_keeps_the_window_rule():
+    x, y = data(88)
+    model = _trainer(steps=4, optimizer=keras.optimizers.SGD(0.5))
+    model.fit(x[:40], y[:40], batch_size=4, epochs=1, shuffle=False, verbose=0)  # 4, 4, 2
+    updates = []
+    for i in range(12):
+        logs = model.train_on_batch(x[40 + 4 * i: 44 + 4 * i], y[40 + 4 * i: 44 + 4 * i],
+                                    return_dict=True)
+        updates.append(int(logs["updates"]))
+        assert "_gradaccum_error" not in logs
+    assert updates == [3, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5, 6]
+    windows = windows_of([4] * 22, [4, 4, 2, 4, 4, 4])
+    assert_weights_close(model, _reference(windows, x, y, keras.optimizers.SGD(0.5)))
+
+
+def test_train_on_batch_raises_what_fit_raises():
+    x, y = data(8)
+    x[0, 0] = np.nan
+    model = _trainer(steps=2, nonfinite="raise")
+    with pytest.raises(FloatingPointError, match="micro-batch 1"):
+        model.train_on_batch(x[:4], y[:4])
+
+
+def _three_layers(seed=0):
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(6, activation="tanh"),
+                              keras.layers.Dense(6, activation="tanh"), keras.layers.Dense(3)])
+    rng = np.random.default_rng(seed)
+    model.set_weights([rng.normal(0, 0.5, w.shape).astype(w.dtype) for w in model.get_weights()])
+    return model
+
+
+def test_a_compile_that_freezes_a_layer_keeps_each_variables_window():
+    # 5 micro-batches with steps=3 and carry: a window of 2 stays open; layer 0 is
+    # frozen and the model compiled again; the window's sums stay with their variables.
+    x, y = data(24)
+    model = gradaccum.accumulate(_three_layers(), steps=3, partial="carry")
+    model.compile(keras.optimizers.SGD(0.5), SCE)
+    model.fit(x[:20], y[:20], batch_size=4, epochs=1, shuffle=False, verbose=0)
+    model.layers[0].trainable = False
+    with pytest.warns(UserWarning, match="no longer a trainable variable"):
+        model.compile(keras.optimizers.SGD(0.5), SCE)
+    assert gradaccum.attach.accumulation_of(model).open_micro_batches() == 2
+    model.fit(x[20:], y[20:], batch_size=4, epochs=1, shuffle=False, verbose=0)
+    reference = _three_layers()
+    reference.compile(keras.optimizers.SGD(0.5), SCE)
+    reference.train_on_batch(x[:12], y[:12])
+    reference.layers[0].trainable = False
+    reference.compile(keras.optimizers.SGD(0.5), SCE)
+    reference.train_on_batch(x[12:24], y[12:24])
+    assert_weights_close(model, reference)
+
+
+def test_save_weights_after_a_recompile_keeps_the_open_window(tmp_path):
+    x, y = data(40)
+    full = _trainer(steps=4, partial="carry", optimizer=keras.optimizers.SGD(0.5))
+    full.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    part = _trainer(steps=4, partial="carry", optimizer=keras.optimizers.SGD(0.5))
+    part.fit(x[:24], y[:24], batch_size=4, epochs=1, shuffle=False, verbose=0)
+    part.compile(part.optimizer, SCE)
+    path = str(tmp_path / "w.weights.h5")
+    part.save_weights(path)
+    resumed = _trainer(steps=4, partial="carry", seed=3, optimizer=keras.optimizers.SGD(0.5))
+    resumed.build((None, 6))
+    resumed.optimizer.build(resumed.trainable_variables)
+    resumed.load_weights(path)
+    resumed.fit(x[24:], y[24:], batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(resumed, full)
 
 
 def test_nonfinite_callable_skips_what_it_says():

@@ -11,6 +11,7 @@ the data ends in, the errors the jitted step can only record, and the `updates` 
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import keras
 import numpy as np
@@ -23,6 +24,9 @@ from gradaccum.core.options import Options as CoreOptions
 from gradaccum.core.screening import raise_message, warn_skipped
 from gradaccum.core.window import SCHEDULE_RULE
 from gradaccum.weighting import NEGATIVE_WEIGHT, NormalizerLog
+
+# Saved sums of the open window keyed by their variable's path (after a compile).
+_BY_PATH = "accumulator@"
 
 
 class Options(CoreOptions):
@@ -92,6 +96,7 @@ class Accumulation:
         self.user_compile_config = None
         self._pending = {}
         self._warned = set()
+        self._variables = []
         self._skipped_at_start = 0
 
     micro_batch_size = None
@@ -155,8 +160,9 @@ class Accumulation:
         if not optimizer.built:
             optimizer.build(host.trainable_variables)
         terms = max(0, kc.count_compiled_losses(kc.compiled_loss(host)) - 1)
+        self._variables = list(host.trainable_variables)
         self.state = AccumulationState(
-            host.trainable_variables, self.options.accumulator_dtype, terms=terms
+            self._variables, self.options.accumulator_dtype, terms=terms
         )
         kc.model_metrics(host).append(self.state)
         self._restore_pending()
@@ -168,7 +174,12 @@ class Accumulation:
             saved = {
                 name: v.numpy() for name, v in self.state.named().items()
                 if name not in ("epoch_step", "resume_skip", "epoch_length")
+                and not name.startswith("accumulator_")
             }
+            # The window's sums by the variable they belong to: a compile after
+            # `layer.trainable = False` changes the list of trainable variables.
+            for variable, acc in zip(self._variables, self.state.accumulators):
+                saved[_BY_PATH + variable.path] = acc.numpy()
             self._pending = {**saved, **self._pending}
             metrics = kc.model_metrics(self.host)
             metrics[:] = [m for m in metrics if m is not self.state]
@@ -176,6 +187,10 @@ class Accumulation:
         self.step = None
         if self.host is not None:
             self.host.train_function = None
+            if self._pending and self.host.built and self.host.optimizer is not None:
+                # The open window lives on at once (seen by `save_weights`,
+                # `disable` and `open_micro_batches` before the next fit).
+                self.ensure_state()
 
     def detach(self) -> None:
         """`disable`: the model tracks the state no more."""
@@ -203,7 +218,21 @@ class Accumulation:
     def _restore_pending(self) -> None:
         if not self._pending or self.state is None:
             return
-        _fit_common.restore(self.state.named(), self._pending)
+        pending = self._pending
+        by_path = {k[len(_BY_PATH):]: k for k in pending if k.startswith(_BY_PATH)}
+        for i, variable in enumerate(self._variables):
+            key = by_path.pop(variable.path, None)
+            if key is not None:
+                pending[f"accumulator_{i}"] = pending.pop(key)
+        for path, key in by_path.items():
+            # A variable no longer trained: its share of the open window is dropped.
+            if np.any(pending.pop(key)):
+                warnings.warn(
+                    f"gradaccum discards the open window's gradient sum of {path!r}: it "
+                    "is no longer a trainable variable of the model.",
+                    stacklevel=3,
+                )
+        _fit_common.restore(self.state.named(), pending)
 
     # fit ----------------------------------------------------------------------------
 
@@ -253,6 +282,15 @@ class Accumulation:
             return
         self.step.close_eagerly(apply=self.options.partial == "flush")
 
+    def after_train_on_batch(self, logs):
+        """`train_on_batch`: its logs without the step's error entry, and the error
+        raised."""
+        if isinstance(logs, dict):
+            logs.pop(ERROR_KEY, None)
+        if self.state is not None:
+            self.raise_step_error()
+        return logs
+
     def raise_step_error(self) -> None:
         """Raises the error the jitted step recorded (and clears it)."""
         state = self.state
@@ -263,7 +301,7 @@ class Accumulation:
         state.error.assign(0)
         errors = AccumulationState.ERRORS
         if error == errors["nonfinite"]:
-            raise FloatingPointError(raise_message(int(state.skipped.numpy()), at))
+            raise FloatingPointError(raise_message(int(state.error_micro_batch.numpy()), at))
         if error == errors["negative_weight"]:
             raise ValueError(
                 f"{NEGATIVE_WEIGHT}. Received: a negative weight for micro-batch {at} "
@@ -347,8 +385,11 @@ class EpochHook(keras.callbacks.Callback):
         accumulation.warn()
 
     def on_train_end(self, logs=None):
-        self._synced_state()
+        state = self._synced_state()
         self.accumulation.end_of_data()
+        # Outside fit (`train_on_batch`) no epoch ends: windows close by their rule.
+        state.epoch_length.assign(-1)
+        state.epoch_step.assign(0)
         if self.batches == 0 and self.epochs_to_run:
             raise ValueError(_fit_common.EMPTY_FIT)
 

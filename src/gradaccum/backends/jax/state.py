@@ -31,10 +31,12 @@ class AccumulationState(keras.metrics.Metric):
     - `term_ratios`, `inexact`: with several loss terms, their normalizer ratios at
       the window's start and whether a window had others (one weight is then not
       exact).
-    - `error`, `error_at`: the first run-time error of the step (`ERRORS`) and where
-      it happened (the micro-batch's place in its window, counted from 1; the update
-      index for a schedule's value below 1); raised by `fit` after the jitted call,
-      which cannot raise.
+    - `micro_batches`: micro-batches presented since the state was made.
+    - `error`, `error_at`, `error_micro_batch`: the first run-time error of the
+      step (`ERRORS`), where it happened (the micro-batch's place in its window,
+      counted from 1; the update index for a schedule's value below 1) and its
+      number among all micro-batches (from 1); raised by `fit` after the jitted
+      call, which cannot raise.
     """
 
     FIELDS = (
@@ -51,8 +53,10 @@ class AccumulationState(keras.metrics.Metric):
         "resume_skip",
         "term_ratios",
         "inexact",
+        "micro_batches",
         "error",
         "error_at",
+        "error_micro_batch",
     )
     # What `error` holds.
     ERRORS = {"nonfinite": 1, "negative_weight": 2, "schedule": 3}

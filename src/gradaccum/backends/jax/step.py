@@ -90,6 +90,10 @@ class TrainStep:
         options = self.options
         mean = options.reduction == "mean"
         ours = dict(ours)
+        # The state as the micro-batch found it, and whether an earlier one of the
+        # same compiled call had an error.
+        entry = dict(ours)
+        halted = ours["error"] > 0
 
         def objective(trainable, non_trainable, metrics_variables):
             self.normalizers.take()
@@ -135,7 +139,14 @@ class TrainStep:
         where = jnp.where(error == ERRORS["schedule"], ours["updates"], position)
         first = (ours["error"] == 0) & (error > 0)
         ours["error_at"] = jnp.where(first, where, ours["error_at"])
+        ours["error_micro_batch"] = jnp.where(
+            first, ours["micro_batches"] + 1, ours["error_micro_batch"]
+        )
         ours["error"] = jnp.where(first, error, ours["error"])
+        ours["micro_batches"] = ours["micro_batches"] + 1
+        # A micro-batch with an error changes nothing but the counters: it is not
+        # accumulated and closes no window (fit raises after the call).
+        accept = accept & (error == 0)
 
         sums = [ours[f"accumulator_{i}"] for i in range(len(trainable))]
         weight = weight.astype(ours["total_weight"].dtype)
@@ -155,7 +166,7 @@ class TrainStep:
             due = total_weight >= options.window.weight_per_update
         end = (ours["epoch_length"] > 0) & (epoch_step >= ours["epoch_length"])
         partial = options.partial
-        close = due | end if partial != "carry" else due
+        close = (due | end if partial != "carry" else due) & (error == 0)
         apply = close & (micro_step > 0) & ((partial != "drop") | due)
 
         window = dict(ours, micro_step=micro_step, window_skipped=window_skipped,
@@ -171,16 +182,23 @@ class TrainStep:
         )
         after = (trainable_after, list(new_non_trainable), optimizer_after,
                  list(metrics_after), window)
-        if self.resumable:
+        if self.resumable or self.raises:
             # A restored run's micro-batch already trained on (BackupAndRestore
-            # inside an epoch): nothing changes but the epoch's position.
+            # inside an epoch): nothing changes but the epoch's position. After an
+            # error (the rest of a compiled call of several micro-batches, before fit
+            # raises): nothing changes at all.
             resuming = ours["resume_skip"] > 0
+            hold = resuming | halted
             before = (list(trainable), list(non_trainable), list(optimizer_variables),
-                      list(metrics_variables), dict(ours, epoch_step=epoch_step))
+                      list(metrics_variables),
+                      dict(entry, epoch_step=jnp.where(halted, entry["epoch_step"],
+                                                        epoch_step)))
             after = jax.tree_util.tree_map(
-                lambda new, old: jnp.where(resuming, old, new), after, before
+                lambda new, old: jnp.where(hold, old, new), after, before
             )
-            after[4]["resume_skip"] = jnp.maximum(ours["resume_skip"] - 1, 0)
+            after[4]["resume_skip"] = jnp.where(
+                halted, ours["resume_skip"], jnp.maximum(ours["resume_skip"] - 1, 0)
+            )
         return (logs, *after)
 
     # Pieces -------------------------------------------------------------------------
