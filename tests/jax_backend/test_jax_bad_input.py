@@ -120,3 +120,11 @@ def test_every_option_of_the_catalogue_is_checked_as_on_tensorflow():
         with pytest.raises(ValueError, match=re.escape(message)):
             gradaccum.accumulate(mlp(), **options)
     assert np.isfinite(1.0)
+
+
+def test_float64_accumulators_need_jax_x64():
+    with pytest.raises(ValueError, match=re.escape(
+        "`accumulator_dtype` must be a dtype JAX computes in: float64 needs "
+        "jax.config.update('jax_enable_x64', True)"
+    )):
+        gradaccum.accumulate(mlp(), steps=2, accumulator_dtype="float64")

@@ -43,6 +43,15 @@ class Options(CoreOptions):
                 f"micro_batch_size={self.micro_batch_size!r} with "
                 "keras.backend.backend()='jax'"
             )
+        if self.accumulator_dtype == "float64":
+            import jax
+
+            if not jax.config.jax_enable_x64:
+                raise ValueError(
+                    "`accumulator_dtype` must be a dtype JAX computes in: float64 needs "
+                    "jax.config.update('jax_enable_x64', True) before the model is made "
+                    "(without it JAX keeps float32). Received: accumulator_dtype='float64'"
+                )
         if callable(self.window.steps):
             import jax
 
