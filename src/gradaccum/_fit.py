@@ -165,30 +165,6 @@ class EpochHook(keras.callbacks.Callback):
             raise ValueError(_fit_common.EMPTY_FIT)
 
 
-class _Forward(keras.callbacks.Callback):
-    """Passes every callback event on to a caller's `CallbackList`, untouched."""
-
-    def __init__(self, callbacks):
-        super().__init__()
-        self._callbacks = callbacks
-
-    def set_model(self, model):
-        pass  # the caller's list keeps the model and params it was given
-
-    def set_params(self, params):
-        pass
-
-
-for _event in [name for name in dir(keras.callbacks.Callback) if name.startswith("on_")]:
-    setattr(
-        _Forward,
-        _event,
-        lambda self, *args, _event=_event, **kwargs: getattr(self._callbacks, _event)(
-            *args, **kwargs
-        ),
-    )
-
-
 def _scaled(gradient, factor):
     if gradient is None:
         return None
@@ -402,14 +378,7 @@ class Accumulation:
         self._verbose = verbose
         hook = EpochHook(self)
         hook.epochs_to_run = epochs > kwargs.get("initial_epoch", 0)
-        if isinstance(callbacks, keras.callbacks.CallbackList):
-            # The caller's list is left as it is: the hook runs first, then the list.
-            listed = callbacks.callbacks
-            callbacks = keras.callbacks.CallbackList([hook, _Forward(callbacks)])
-        else:
-            callbacks = [hook, *(callbacks or [])]
-            listed = callbacks
-        resumable = any(isinstance(cb, keras.callbacks.BackupAndRestore) for cb in listed)
+        callbacks, resumable = _fit_common.hook_first(hook, callbacks)
         if resumable != self.resumable:
             # The step that can skip restored micro-batches costs a branch per
             # micro-batch: compile it only for fits that can restore.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 
+import keras
 import numpy as np
 
 EMPTY_FIT = (
@@ -53,3 +54,44 @@ def restore(named: dict, pending: dict) -> None:
                 )
             continue
         variable.assign(value)
+
+
+def hook_first(hook, callbacks):
+    """`fit`'s callbacks with gradaccum's `hook` first, and whether they can restore
+    inside an epoch (a `BackupAndRestore` among them).
+
+    A caller's `CallbackList` is left as it is (the hook runs first, then the list,
+    through `_Forward`); a plain list gets the hook in front.
+    """
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        listed = callbacks.callbacks
+        callbacks = keras.callbacks.CallbackList([hook, _Forward(callbacks)])
+    else:
+        callbacks = [hook, *(callbacks or [])]
+        listed = callbacks
+    resumable = any(isinstance(cb, keras.callbacks.BackupAndRestore) for cb in listed)
+    return callbacks, resumable
+
+
+class _Forward(keras.callbacks.Callback):
+    """Passes every callback event on to a caller's `CallbackList`, untouched."""
+
+    def __init__(self, callbacks):
+        super().__init__()
+        self._callbacks = callbacks
+
+    def set_model(self, model):
+        pass  # the caller's list keeps the model and params it was given
+
+    def set_params(self, params):
+        pass
+
+
+for _event in [name for name in dir(keras.callbacks.Callback) if name.startswith("on_")]:
+    setattr(
+        _Forward,
+        _event,
+        lambda self, *args, _event=_event, **kwargs: getattr(self._callbacks, _event)(
+            *args, **kwargs
+        ),
+    )

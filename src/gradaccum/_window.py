@@ -72,13 +72,8 @@ class WindowRule(WindowSpec):
         update_index = tf.cast(update_index, tf.int64)
         if self._schedule is not None:
             return self._checked_length(update_index)
-        if self.constant is not None:
-            return tf.constant(self.constant, tf.int64)
-        starts = tf.constant([start for start, _ in self.steps], tf.int64)
-        lengths = tf.constant([k for _, k in self.steps], tf.int64)
-        # The last pair starting at or before the update (the first starts at 0).
-        position = tf.searchsorted(starts, tf.reshape(update_index, [1]), side="right")
-        return lengths[position[0] - 1]
+        # An integer or pairs: the core's lookup, in the accumulator's int64.
+        return tf.cast(super().length(update_index), tf.int64)
 
     def _checked_length(self, update_index):
         value = check_callable_result(

@@ -53,20 +53,11 @@ class Options(CoreOptions):
                     "(without it JAX keeps float32). Received: accumulator_dtype='float64'"
                 )
         if callable(self.window.steps):
-            import jax
-
-            try:
-                first = int(self.window.length(0))
-            except jax.errors.ConcretizationTypeError as error:
-                raise ValueError(
-                    "The `steps` callable must be traceable by JAX: written with "
-                    "`keras.ops` / `jax.numpy` (`jnp.where` rather than a Python `if` "
-                    "on the update index). Received: a callable that failed on a "
-                    f"traced update index: {type(error).__name__}"
-                ) from None
+            # Traced first (the step traces it), then tried on update 0.
+            self._check_traceable()
+            first = int(self.window.length(0))
             if first < 1:
                 raise ValueError(f"{SCHEDULE_RULE} Received: {first} for update_index=0")
-            self._check_traceable()
 
     def _check_traceable(self) -> None:
         import jax
@@ -261,13 +252,7 @@ class Accumulation:
         host = self.host
         hook = (_RaisingHook if self._raises() else EpochHook)(self)
         hook.epochs_to_run = epochs > kwargs.get("initial_epoch", 0)
-        if isinstance(callbacks, keras.callbacks.CallbackList):
-            listed = callbacks.callbacks
-            callbacks = keras.callbacks.CallbackList([hook, *listed])
-        else:
-            callbacks = [hook, *(callbacks or [])]
-            listed = callbacks
-        resumable = any(isinstance(cb, keras.callbacks.BackupAndRestore) for cb in listed)
+        callbacks, resumable = _fit_common.hook_first(hook, callbacks)
         if resumable != self.resumable:
             self.resumable = resumable
             host.train_function = None
