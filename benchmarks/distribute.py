@@ -82,7 +82,7 @@ def train(strategy, contender, x, y, repeats, counter):
     import keras
 
     import gradaccum
-    from gradaccum import _keras_compat as kc
+    from gradaccum.backends.tensorflow import keras_compat as kc
 
     name, window, policy, batch_norm = contender
     keras.mixed_precision.set_global_policy(policy)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
-from gradaccum import _keras_compat as kc
+from gradaccum.backends.tensorflow import keras_compat as kc
 
 
 def test_every_private_piece_exists_with_the_expected_parameters():

@@ -15,8 +15,8 @@ import tensorflow as tf
 
 import gradaccum
 from conftest import assert_same_state, make_trainer, trained
-from gradaccum import _split
 from gradaccum.attach import accumulation_of
+from gradaccum.backends.tensorflow import split as _split
 from test_accumulate import OwnStep, Penalized, TwoOptimizers, seeded
 from test_keras_model import SCE, assert_weights_close, data, max_gap, mlp
 

@@ -18,11 +18,11 @@ from gradaccum import _tf
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "GradientAccumulator": "gradaccum.accumulator",
+    "GradientAccumulator": "gradaccum.backends.tensorflow.accumulator",
     "AccumulatingModel": "gradaccum.keras_model",
     "BatchNormalization": "gradaccum.batch_norm",
     "convert_batch_normalization": "gradaccum.batch_norm",
-    "CountingCrossDeviceOps": "gradaccum.communication",
+    "CountingCrossDeviceOps": "gradaccum.backends.tensorflow.communication",
     "wrap": "gradaccum.keras_model",
     "accumulate": "gradaccum.attach",
     "disable": "gradaccum.attach",
@@ -41,10 +41,10 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from gradaccum.accumulator import GradientAccumulator
     from gradaccum.attach import accumulate, disable
+    from gradaccum.backends.tensorflow.accumulator import GradientAccumulator
+    from gradaccum.backends.tensorflow.communication import CountingCrossDeviceOps
     from gradaccum.batch_norm import BatchNormalization, convert_batch_normalization
-    from gradaccum.communication import CountingCrossDeviceOps
     from gradaccum.keras_model import AccumulatingModel, wrap
 
 

@@ -8,7 +8,7 @@ import keras
 
 # Keras's backends gradaccum trains on, and the module of each one's adapter.
 ADAPTERS = {
-    "tensorflow": "gradaccum._fit",
+    "tensorflow": "gradaccum.backends.tensorflow.fit",
     "jax": "gradaccum.backends.jax.fit",
 }
 

@@ -20,8 +20,8 @@ import contextlib
 import keras
 import tensorflow as tf
 
-from gradaccum import _keras_compat as kc
-from gradaccum._keras_compat import Functional, flatten_layers
+from gradaccum.backends.tensorflow import keras_compat as kc
+from gradaccum.backends.tensorflow.keras_compat import Functional, flatten_layers
 
 _REFUSED = {
     "renorm": "batch renormalization corrects every micro-batch with moving statistics "

@@ -1,5 +1,6 @@
 """Backend adapters: what differs between Keras's backends, and nothing else.
 
-The TensorFlow adapter is the package's original modules (`gradaccum._fit`,
-`gradaccum.accumulator` and their helpers); the JAX adapter lives in `backends.jax`.
+`backends.tensorflow` keeps the state in `tf.Variable`s and runs under tf.distribute;
+`backends.jax` carries it through JAX's stateless train step. Both read the options,
+the math and the window rule from `gradaccum.core`.
 """

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from gradaccum import _split
+from gradaccum.backends.tensorflow import split as _split
 
 # Non-trainable variables larger than this are taken as frozen weights (a LoRA
 # base model's kernels): a training step reads them and never changes them, so

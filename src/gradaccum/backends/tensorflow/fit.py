@@ -25,12 +25,19 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from gradaccum import _fit_common, _retry, _split, _window, batch_norm
-from gradaccum import _keras_compat as kc
-from gradaccum._distributed import COUNTED, check_split_synchronization, distribution_of
-from gradaccum._screening import compiled_raise_message
-from gradaccum._state import Untracked
-from gradaccum.accumulator import GradientAccumulator
+from gradaccum import _fit_common, batch_norm
+from gradaccum.backends.tensorflow import keras_compat as kc
+from gradaccum.backends.tensorflow import retry as _retry
+from gradaccum.backends.tensorflow import split as _split
+from gradaccum.backends.tensorflow import window as _window
+from gradaccum.backends.tensorflow.accumulator import GradientAccumulator
+from gradaccum.backends.tensorflow.distributed import (
+    COUNTED,
+    check_split_synchronization,
+    distribution_of,
+)
+from gradaccum.backends.tensorflow.screening import compiled_raise_message
+from gradaccum.backends.tensorflow.state import Untracked
 from gradaccum.core.options import Options as CoreOptions
 from gradaccum.weighting import NEGATIVE_WEIGHT, NormalizerLog, callable_weight
 

@@ -16,12 +16,7 @@ require_tensorflow()
 
 import tensorflow as tf  # noqa: E402
 
-from gradaccum import _combine, _screening, batch_norm  # noqa: E402
-from gradaccum import _distributed as dist  # noqa: E402
-from gradaccum import _keras_compat as kc  # noqa: E402
-from gradaccum._combine import REDUCTIONS  # noqa: E402
-from gradaccum._screening import NONFINITE, check_nonfinite  # noqa: E402
-from gradaccum._state import AccumulatorState, Untracked  # noqa: E402
+from gradaccum import batch_norm  # noqa: E402
 from gradaccum._validation import (  # noqa: E402
     check_accumulator_dtype,
     check_choice,
@@ -30,7 +25,14 @@ from gradaccum._validation import (  # noqa: E402
     check_variables,
     check_weight,
 )
-from gradaccum._window import WindowRule  # noqa: E402
+from gradaccum.backends.tensorflow import combine as _combine  # noqa: E402
+from gradaccum.backends.tensorflow import distributed as dist  # noqa: E402
+from gradaccum.backends.tensorflow import keras_compat as kc  # noqa: E402
+from gradaccum.backends.tensorflow import screening as _screening  # noqa: E402
+from gradaccum.backends.tensorflow.combine import REDUCTIONS  # noqa: E402
+from gradaccum.backends.tensorflow.screening import NONFINITE, check_nonfinite  # noqa: E402
+from gradaccum.backends.tensorflow.state import AccumulatorState, Untracked  # noqa: E402
+from gradaccum.backends.tensorflow.window import WindowRule  # noqa: E402
 from gradaccum.batch_norm import batch_normalization_layers  # noqa: E402
 
 __all__ = ["GradientAccumulator", "NONFINITE", "REDUCTIONS"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from gradaccum._keras_compat import tf_variable
+from gradaccum.backends.tensorflow.keras_compat import tf_variable
 
 # Replica-local state: each replica adds to its own copy; read across replicas (and
 # saved) the copies are summed, or the first replica's is taken for counters that

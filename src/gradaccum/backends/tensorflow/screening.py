@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from gradaccum._keras_compat import back_off_loss_scale  # noqa: F401 (re-exported)
 from gradaccum._validation import (  # noqa: F401 (re-exported)
     NONFINITE,
     check_callable_result,
     check_nonfinite,
 )
+from gradaccum.backends.tensorflow.keras_compat import back_off_loss_scale  # noqa: F401 (re-exported)
 from gradaccum.core.screening import (  # noqa: F401 (re-exported)
     RAISE_WORDS,
     raise_message,
