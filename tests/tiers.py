@@ -16,7 +16,7 @@ in pyproject.toml and pytest runs with `--strict-markers`.
 - `subprocess`: starts Python processes of its own (TensorFlow starts in each).
 
 Doors: a test that takes the `door` argument trains through `accumulate` only, unless it
-is in `BOTH_DOORS`. Both doors run the same `_fit.Accumulation`; what `wrap` has of its
+is in `BOTH_DOORS`. Both doors run the same `Accumulation`; what `wrap` has of its
 own (its compile and its defaults, the wrapper's call and compiled losses, config,
 saving, evaluate, batch-norm conversion, argument checks) is what `BOTH_DOORS` lists;
 collection fails if a row has no `wrap` case.

@@ -2,10 +2,10 @@
 
 Exact weighting divides by the same normalizer as Keras's loss reduction, so it reuses
 Keras's own masking and rank-matching helpers; the fit integration runs the model's
-own loss computation and restores the compile the user made. `_keras_compat` adds the
-TensorFlow backend's pieces and re-exports these; `PRIVATE_PIECES` here is checked
-against the installed Keras by a test on each backend, so a Keras release that
-changes one fails loudly in one place.
+own loss computation and restores the compile the user made.
+`backends/tensorflow/keras_compat` adds the TensorFlow backend's pieces and re-exports
+these; `PRIVATE_PIECES` here is checked against the installed Keras by a test on each
+backend, so a Keras release that changes one fails loudly in one place.
 """
 
 from __future__ import annotations

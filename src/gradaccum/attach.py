@@ -3,8 +3,8 @@
 The model stays the user's object, of its own class: its `fit` (a KerasHub task's
 preprocessing included), `compile` defaults, `train_step`, `compute_loss` and `call`
 all run. gradaccum adds instance attributes that route the training path through
-the backend's `Accumulation` (TensorFlow's `_fit`, or `backends.jax.fit`) and removes
-them again in `disable`; the class, its config and what `model.save()` writes are
+the backend's `Accumulation` (`backends.tensorflow.fit` or `backends.jax.fit`) and
+removes them again in `disable`; the class, its config and what `model.save()` writes are
 untouched, so a saved model loads without gradaccum.
 """
 

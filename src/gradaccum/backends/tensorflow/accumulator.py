@@ -1,11 +1,13 @@
 """`GradientAccumulator`: the accumulator's declared state and its four verbs,
 accumulate, step, apply and reset.
 
-The pieces it is made of live in modules of their own: the formula in `_combine`,
-the non-finite policies and loss-scale reactions in `_screening`, everything that
-touches tf.distribute in `_distributed`, the saved state in `_state`, argument
-checks in `_validation`. The Keras `fit()` integration, distribution, mixed
-precision and batch normalization all go through this class.
+The pieces it is made of live in modules of their own: the formula in
+`gradaccum.core.combine` (TensorFlow's in-place add in `combine`), the non-finite
+policies in `screening`, loss scaling in `loss_scale`, closing a window across
+replicas in `replicas` (the rest of tf.distribute in `distributed`), the saved state
+in `state`, argument checks in `gradaccum._validation`. The Keras `fit()`
+integration, distribution, mixed precision and batch normalization all go through
+this class.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ require_tensorflow()
 
 import tensorflow as tf  # noqa: E402
 
-from gradaccum import batch_norm  # noqa: E402
 from gradaccum._validation import (  # noqa: E402
     check_accumulator_dtype,
     check_choice,
@@ -28,6 +29,7 @@ from gradaccum._validation import (  # noqa: E402
 from gradaccum.backends.tensorflow import combine as _combine  # noqa: E402
 from gradaccum.backends.tensorflow import distributed as dist  # noqa: E402
 from gradaccum.backends.tensorflow import keras_compat as kc  # noqa: E402
+from gradaccum.backends.tensorflow import loss_scale, replicas  # noqa: E402
 from gradaccum.backends.tensorflow import screening as _screening  # noqa: E402
 from gradaccum.backends.tensorflow.combine import REDUCTIONS  # noqa: E402
 from gradaccum.backends.tensorflow.screening import NONFINITE, check_nonfinite  # noqa: E402
@@ -379,95 +381,16 @@ class GradientAccumulator(tf.Module):
         weight = check_weight(weight, self.state.total_weight.dtype)
         with tf.control_dependencies(self._open_window()):
             if loss_scale_optimizer is not None:
-                return self._add_loss_scaled(gradients, weight, scale, loss_scale_optimizer)
+                loss_scale.check_loss_scale_optimizer(loss_scale_optimizer)
+                # The scale whose window reacts at the update under a strategy.
+                self._loss_scaling = Untracked(loss_scale_optimizer)
+                self._prepare_optimizer(loss_scale_optimizer)
+                return loss_scale.add(self, gradients, weight, scale, loss_scale_optimizer)
 
             def add():
                 self._add_micro_batch(gradients, weight, weight if scale else None)
 
-            return self._screened(gradients, add)
-
-    def _add_loss_scaled(self, gradients, weight, scale, optimizer):
-        optimizer = self._check_loss_scale_optimizer(optimizer)
-
-        # Under a strategy the replicas learn of each other's overflows at the
-        # update (its one reduction), where the scale reacts once for the window.
-        react_now = not tf.distribute.has_strategy()
-
-        def add_unscaled():
-            # One multiply per gradient both unscales and weighs.
-            factor = _screening.unscale_factor(optimizer, weight.dtype)
-            self._add_micro_batch(gradients, weight, weight * factor if scale else factor)
-            if react_now:
-                _screening.grow_loss_scale(optimizer)
-            return tf.constant(True)
-
-        def skip():
-            # Under loss scaling an overflow is expected now and then: always skipped.
-            self._count_skip()
-            if react_now:
-                _screening.back_off_loss_scale(optimizer)
-            return tf.constant(False)
-
-        self.state.micro_batches.assign_add(1)
-        accepted = _screening.all_finite(gradients)
-        if callable(self._nonfinite):
-            accepted = tf.logical_and(
-                accepted, tf.logical_not(_screening.user_skip(self._nonfinite, gradients))
-            )
-        return tf.cond(accepted, add_unscaled, skip)
-
-    def _screened(self, gradients, add, windowed: bool = True):
-        """Runs `add()` for a micro-batch as `nonfinite` says; returns whether it ran.
-        A skipped micro-batch counts towards the open window's length if `windowed`."""
-        self.state.micro_batches.assign_add(1)
-        accepted = _screening.accept(self._nonfinite, gradients)
-        if accepted is None:
-            add()
-            return tf.constant(True)
-        if self._nonfinite == "raise":
-            accepted = self._raise_unless(accepted)
-
-        def accept():
-            add()
-            return tf.constant(True)
-
-        def skip():
-            self._count_skip(windowed)
-            return tf.constant(False)
-
-        accepted = tf.cond(accepted, accept, skip)
-        if tf.executing_eagerly() and self._nonfinite == "skip" and not bool(accepted):
-            self._warn_skipped()
-        return accepted
-
-    def _raise_unless(self, finite):
-        """nonfinite="raise": the error naming the micro-batch, before anything of it
-        (or the update it would close) runs."""
-        if tf.executing_eagerly():
-            if not bool(finite):
-                raise tf.errors.InvalidArgumentError(
-                    None,
-                    None,
-                    _screening.raise_message(
-                        int(self.state.micro_batches), int(self.window_length()) + 1
-                    ),
-                )
-            return finite
-        check = _screening.assert_finite(
-            finite, self.state.micro_batches, self.window_length() + 1
-        )
-        with tf.control_dependencies([check]):
-            return tf.identity(finite)
-
-    def _count_skip(self, windowed: bool = True) -> None:
-        if windowed:
-            self.state.window_skipped.assign_add(1)
-        if not (windowed and tf.distribute.has_strategy()):
-            # Under a strategy a replica's skipped shares are counted at the
-            # update, summed across replicas (`_update_across_replicas`).
-            self.state.skipped.assign_add(1)
-        for layer in self.batch_normalization_layers:
-            layer._discard_micro_batch()
+            return _screening.screened(self, gradients, add)
 
     def _warn_skipped(self, count: int = 1, stacklevel: int = 4) -> None:
         """Warns once per accumulator (eagerly here; `fit` at the end of an epoch)."""
@@ -489,7 +412,7 @@ class GradientAccumulator(tf.Module):
             )
             self.state.record_update(1, weight)
 
-        return self._screened(gradients, apply, windowed=False)
+        return _screening.screened(self, gradients, apply, windowed=False)
 
     def _add_micro_batch(self, gradients, weight, factor) -> None:
         """Adds `factor * g` per variable and counts the micro-batch with its weight
@@ -568,7 +491,7 @@ class GradientAccumulator(tf.Module):
             A boolean tensor: whether an update happened.
         """
         if tf.distribute.has_strategy():
-            return self._apply_if_distributed(optimizer, condition)
+            return replicas.apply_if(self, optimizer, condition)
         self._prepare_optimizer(optimizer)
         condition = tf.cast(condition, tf.bool)
 
@@ -639,106 +562,6 @@ class GradientAccumulator(tf.Module):
         self.state.record_update(self.window_length(), window_weight)
         self.reset()
 
-    # Distribution ----------------------------------------------------------------
-
-    def _apply_if_distributed(self, optimizer, condition):
-        strategy = tf.distribute.get_strategy()
-        dist.distribution_of(self.target_variables)
-        condition = tf.cast(condition, tf.bool)
-        # The window's length is the same on every replica (each replica sees a
-        # share of every micro-batch), so all of them agree to reduce.
-        if tf.distribute.in_cross_replica_context():
-            # Outside `strategy.run` (e.g. closing a window at the end of the data).
-            self._prepare_optimizer(optimizer)
-            due = tf.logical_and(condition, self.window_length() > 0)
-            window = strategy.run(self._replica_window)
-            return self._update_across_replicas_if(strategy, optimizer, due, window)
-        context = tf.distribute.get_replica_context()
-        if not getattr(optimizer, "built", True):
-            context.merge_call(lambda _: self._prepare_optimizer(optimizer))
-        check_optimizer(optimizer)
-        due = tf.logical_and(condition, self.window_length() > 0)
-        # Replicas cannot synchronize inside a tf.cond of a replica function (keras
-        # issue 20582), so they meet here on every call, which costs no
-        # communication, and the condition is taken in cross-replica context.
-        return context.merge_call(
-            self._update_across_replicas_if,
-            args=(optimizer, due, self._replica_window()),
-        )
-
-    def _replica_window(self):
-        """What a replica adds to the window's reduction besides its sums: how many
-        of its shares were skipped (the loss scale's one reaction), and (with driven
-        batch normalization layers) each layer's window statistics in this
-        replica's slot."""
-        state = self.state
-        dtype = state.total_weight.dtype
-        window = [tf.cast(tf.reshape(state.window_skipped, [1]), dtype)]
-        layers = self.batch_normalization_layers
-        if layers:
-            context = tf.distribute.get_replica_context()
-            replica, replicas = context.replica_id_in_sync_group, context.num_replicas_in_sync
-            window.append(tf.concat(
-                [layer._replica_slots(replica, replicas, dtype) for layer in layers], axis=0
-            ))
-        return window
-
-    def _update_across_replicas_if(self, strategy, optimizer, due, window):
-        return tf.cond(
-            dist.first_local(strategy, due),
-            lambda: self._update_across_replicas(strategy, optimizer, window),
-            lambda: tf.constant(False),
-        )
-
-    def _update_across_replicas(self, strategy, optimizer, window):
-        state = self.state
-        n = len(state.accumulators)
-        reduced = dist.reduce_window(
-            strategy, [*state.accumulators, state.total_weight, state.received, *window]
-        )
-        sums, (total_weight, received, skipped) = reduced[:n], reduced[n:n + 3]
-        skipped = skipped[0]
-        pooled = None
-        if len(reduced) > n + 3:
-            # Each driven batch normalization layer's replicas' windows, pooled.
-            layers, replicas = self.batch_normalization_layers, strategy.num_replicas_in_sync
-            sizes = [layer._replica_slots_size(replicas) for layer in layers]
-            pooled = [
-                batch_norm.pool_replicas(gathered, replicas)
-                for gathered in tf.split(reduced[n + 3], sizes)
-            ]
-        loss_scaling = self._loss_scaling.value
-        inner = optimizer
-        if kc.is_loss_scale_optimizer(optimizer):
-            loss_scaling, inner = optimizer, optimizer.inner_optimizer
-
-        def update():
-            with kc.applying_across_replicas(inner, strategy):
-                self._apply_combined(
-                    inner, self._combine(sums, total_weight), received, total_weight,
-                    pooled,
-                )
-            return tf.constant(True)
-
-        def close_empty():
-            # Every share of the window was skipped: it closes without an update.
-            self.reset()
-            return tf.constant(False)
-
-        # Something to apply: a variable received a gradient in the window (read
-        # from the summed counts, which a checkpoint restores exactly).
-        accepted = tf.reduce_any(received > 0)
-        micro_batches = self.window_length()
-        # Every replica's skipped shares, in the one count every replica keeps.
-        state.skipped.assign(state.skipped + tf.cast(skipped, tf.int64))
-        applied = tf.cond(accepted, update, close_empty)
-        if loss_scaling is not None:
-            # The scale the window's shares were scaled with reacts once (also when
-            # the caller applies with the inner optimizer).
-            with tf.control_dependencies([applied]):
-                _screening.settle_loss_scale(loss_scaling, skipped > 0, micro_batches)
-        return applied
-
     def step(self, optimizer, gradients, weight=1.0):
         """Accumulates a micro-batch, and applies when the window is due: `steps`
         micro-batches are in (the schedule's length for this window), or the
@@ -773,13 +596,3 @@ class GradientAccumulator(tf.Module):
         if not getattr(optimizer, "built", True):
             # Create the slots outside any `tf.cond` branch.
             optimizer.build(list(self.target_variables))
-
-    def _check_loss_scale_optimizer(self, optimizer):
-        if not kc.is_loss_scale_optimizer(optimizer):
-            raise ValueError(
-                "`loss_scale_optimizer` must be a keras.optimizers.LossScaleOptimizer. "
-                f"Received: loss_scale_optimizer of type {type(optimizer).__name__}"
-            )
-        self._loss_scaling = Untracked(optimizer)
-        self._prepare_optimizer(optimizer)
-        return optimizer

@@ -10,9 +10,8 @@
 - a callable `gradients -> bool` (a Python or tensor boolean): True skips the
   micro-batch, as `"skip"` does, without a warning.
 
-Under a `LossScaleOptimizer` an overflowing micro-batch is always skipped and the
-loss scale backs off, as Keras's own optimizer does: at once on one device, at the
-update under a strategy (`settle_loss_scale`).
+`screened` runs a micro-batch's accumulation as the policy says; under a
+`LossScaleOptimizer` the screening is `loss_scale.add`'s.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from gradaccum._validation import (  # noqa: F401 (re-exported)
     check_callable_result,
     check_nonfinite,
 )
-from gradaccum.backends.tensorflow.keras_compat import back_off_loss_scale  # noqa: F401 (re-exported)
 from gradaccum.core.screening import (  # noqa: F401 (re-exported)
     RAISE_WORDS,
     raise_message,
@@ -100,35 +98,59 @@ def compiled_raise_message(skipped: int) -> str:
     )
 
 
-def unscale_factor(loss_scale_optimizer, dtype):
-    """1 / the current loss scale."""
-    return tf.math.reciprocal(tf.cast(loss_scale_optimizer.dynamic_scale, dtype))
+def screened(accumulator, gradients, add, windowed: bool = True):
+    """Runs `add()` for a micro-batch of `accumulator` (a `GradientAccumulator`) as
+    its `nonfinite` says; returns whether it ran (a boolean tensor). A skipped
+    micro-batch counts towards the open window's length if `windowed`."""
+    state, policy = accumulator.state, accumulator.nonfinite
+    state.micro_batches.assign_add(1)
+    accepted = accept(policy, gradients)
+    if accepted is None:
+        add()
+        return tf.constant(True)
+    if policy == "raise":
+        accepted = _raise_unless(accumulator, accepted)
 
-
-def grow_loss_scale(optimizer, steps=1) -> None:
-    """`steps` finite steps under loss scaling (a finite micro-batch on one device, a
-    window's micro-batches under a strategy), counted as Keras's LossScaleOptimizer
-    counts finite steps: after `dynamic_growth_steps` in a row the scale doubles."""
-    growth = tf.cast(optimizer.dynamic_growth_steps, tf.int64)
-    total = tf.cast(optimizer.step_counter, tf.int64) + tf.cast(steps, tf.int64)
-    optimizer.step_counter.assign(tf.cast(total % growth, optimizer.step_counter.dtype))
-    scale = optimizer.dynamic_scale
-    doublings = tf.cast(total // growth, scale.dtype)
-    scale.assign(scale * tf.pow(tf.constant(2.0, scale.dtype), doublings))
-
-
-def settle_loss_scale(optimizer, overflowed, micro_batches) -> None:
-    """The loss scale's one reaction to a window under a strategy (in cross-replica
-    context, so every replica's copy changes alike): if any replica's share
-    overflowed, it backs off once, as Keras's does for a step with a non-finite
-    gradient; else the window's `micro_batches` count as that many finite steps."""
-
-    def back_off():
-        back_off_loss_scale(optimizer)
-        return tf.constant(False)
-
-    def grow():
-        grow_loss_scale(optimizer, micro_batches)
+    def run():
+        add()
         return tf.constant(True)
 
-    tf.cond(overflowed, back_off, grow)
+    def skip():
+        count_skip(accumulator, windowed)
+        return tf.constant(False)
+
+    accepted = tf.cond(accepted, run, skip)
+    if tf.executing_eagerly() and policy == "skip" and not bool(accepted):
+        accumulator._warn_skipped()
+    return accepted
+
+
+def _raise_unless(accumulator, finite):
+    """nonfinite="raise": the error naming the micro-batch, before anything of it (or
+    the update it would close) runs."""
+    state = accumulator.state
+    if tf.executing_eagerly():
+        if not bool(finite):
+            raise tf.errors.InvalidArgumentError(
+                None,
+                None,
+                raise_message(int(state.micro_batches), int(accumulator.window_length()) + 1),
+            )
+        return finite
+    check = assert_finite(finite, state.micro_batches, accumulator.window_length() + 1)
+    with tf.control_dependencies([check]):
+        return tf.identity(finite)
+
+
+def count_skip(accumulator, windowed: bool = True) -> None:
+    """Counts a skipped micro-batch (in the open window if `windowed`) and drops its
+    batch normalization statistics."""
+    state = accumulator.state
+    if windowed:
+        state.window_skipped.assign_add(1)
+    if not (windowed and tf.distribute.has_strategy()):
+        # Under a strategy a replica's skipped shares are counted at the update,
+        # summed across replicas (`replicas.update`).
+        state.skipped.assign_add(1)
+    for layer in accumulator.batch_normalization_layers:
+        layer._discard_micro_batch()

@@ -1,4 +1,4 @@
-"""The accumulator's saved state, declared once.
+"""The saved state, declared once: the accumulator's record and fit's.
 
 `AccumulatorState` is the one record of what a `GradientAccumulator` keeps between
 micro-batches: TensorFlow variables with stable names, saved by
@@ -116,3 +116,59 @@ class AccumulatorState(tf.Module):
             variable.assign(tf.zeros_like(variable))
         self.micro_step.assign(0)
         self.window_skipped.assign(0)
+
+
+class FitState(tf.Module):
+    """The accumulation state of `fit`: the accumulators and the epoch position.
+
+    Args:
+        accumulator: the exact step's `GradientAccumulator` (None for a model's own
+            train_step, whose accumulators are made as its step hands gradients over).
+        terms: the compiled loss's terms beyond the first (their normalizer ratios
+            are tracked).
+    """
+
+    def __init__(self, accumulator=None, terms=0):
+        super().__init__(name="gradaccum_fit_state")
+        self.accumulator = accumulator
+        # A model's own step: one accumulator per (optimizer, variables), in the
+        # order the step first handed them gradients.
+        self.own = []
+        # Replica-local (every replica counts the same micro-batches): updating
+        # them inside a replica's step needs no communication.
+        int64 = dict(COUNTED, dtype=tf.int64)
+        # Micro-batches seen in the current epoch, its length (-1: unknown), and
+        # micro-batches to skip after a restore in the middle of an epoch.
+        self.epoch_step = tf.Variable(0, name="epoch_step", **int64)
+        self.epoch_length = tf.Variable(-1, name="epoch_length", **int64)
+        self.resume_skip = tf.Variable(0, name="resume_skip", **int64)
+        # Several loss terms: their normalizer ratios at the window's start, and
+        # whether a window had ratios that differ (then one weight is not exact).
+        self.term_ratios = tf.Variable(
+            tf.zeros([terms], tf.float32), name="term_ratios", **COUNTED
+        )
+        self.inexact = tf.Variable(False, name="inexact", **COUNTED)
+        # Split mode: the micro-batch size the step uses ("auto" changes it between
+        # calls without a retrace), and whether the step got as far as applying
+        # (a step that failed after that point cannot be retried).
+        self.micro_batch_size = tf.Variable(1, name="micro_batch_size", **int64)
+        self.applying = tf.Variable(False, name="applying", **COUNTED)
+
+    def accumulators(self) -> list:
+        """Every accumulator: the exact step's, then a model's own step's."""
+        return ([] if self.accumulator is None else [self.accumulator]) + [
+            acc for acc, _ in self.own
+        ]
+
+    @property
+    def skipped(self) -> int:
+        """Micro-batches skipped for a non-finite gradient, over all accumulators."""
+        return sum(int(acc.skipped.numpy()) for acc in self.accumulators())
+
+    def saved_variables(self) -> dict[str, tf.Variable]:
+        """What a saved model keeps of the state, under stable names."""
+        named = {} if self.accumulator is None else self.accumulator.state_variables()
+        for j, (acc, _) in enumerate(self.own):
+            named.update({f"own_{j}_{k}": v for k, v in acc.state_variables().items()})
+        named.update(epoch_step=self.epoch_step, resume_skip=self.resume_skip)
+        return named

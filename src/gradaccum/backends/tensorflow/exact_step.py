@@ -1,0 +1,78 @@
+"""gradaccum's own training step on TensorFlow, for a model that uses Keras's
+default `train_step`: forward, the model's own loss (`compute_loss`, compiled loss,
+regularizers), backward of the loss weighted by the micro-batch's `w_i`, accumulation,
+and an update when the window closes."""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from gradaccum import batch_norm
+from gradaccum.backends.tensorflow import keras_compat as kc
+from gradaccum.backends.tensorflow.weights import micro_batch_weight
+
+
+def exact_step(accumulation, data):
+    """One micro-batch, and an update when the window is due. Returns the step's
+    metrics, as Keras's `train_step` does."""
+    host, state = accumulation.host, accumulation.state
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    acc = state.accumulator
+    # A window of one micro-batch on one device: G = w g / w = g, applied without
+    # the accumulators' copy.
+    single = accumulation.options.window.constant == 1 and not (
+        tf.distribute.has_strategy()
+        or kc.is_loss_scale_optimizer(host.optimizer)
+        or acc.batch_normalization_layers
+    )
+    y_pred, loss, weight = micro_batch(accumulation, x, y, sample_weight, single=single)
+    kc.loss_tracker(host).update_state(loss, sample_weight=weight)
+    state.epoch_step.assign_add(1)
+    if not single:
+        accumulation.close_if_due(acc, host.optimizer)
+    return host.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+
+def micro_batch(accumulation, x, y, sample_weight, single=False):
+    """Forward, the host's loss and backward of one micro-batch, accumulated (applied
+    at once when `single`). Returns the predictions, the loss (as the loss tracker
+    takes it) and the micro-batch's weight."""
+    host = accumulation.host
+    acc = accumulation.state.accumulator
+    variables = list(acc.target_variables)
+    accumulation.normalizers.take()
+    loss_scaled = kc.is_loss_scale_optimizer(host.optimizer)
+    # With reduction "mean", differentiate w_i * L_i: the weight is applied once to
+    # the loss rather than to every gradient. Under tf.distribute, L_i is the
+    # replica's own loss (Keras divides it by the replica count: undone here), so
+    # that the reduced sums give the global window's gradient exactly; with
+    # reduction "sum" the replicas' gradients are summed, as Keras's optimizer does.
+    # Under loss scaling the weight is applied with the unscaling instead, so that
+    # the scaled loss is what Keras would scale (no extra overflows).
+    mean = accumulation.options.reduction == "mean"
+    weigh_loss = mean and not (single or loss_scaled)
+    with tf.GradientTape() as tape, batch_norm.driving(acc.batch_normalization_layers):
+        if kc.call_has_training_arg(host):
+            y_pred = host(x, training=True)
+        else:
+            y_pred = host(x)
+        loss = kc.compute_loss(host, x, y, y_pred, sample_weight)
+        weight = tf.stop_gradient(micro_batch_weight(accumulation, x, y, sample_weight, True))
+        # The replica's own loss (Keras's divided by the replica count).
+        replica_loss = kc.unscale_loss_for_distribution(loss)
+        objective = replica_loss if mean else loss
+        if weigh_loss:
+            objective = objective * tf.cast(weight, loss.dtype)
+        # Loss scaling (a LossScaleOptimizer's dynamic scale, or an optimizer's
+        # static `loss_scale_factor`), as Keras's own train step does.
+        objective = host.optimizer.scale_loss(objective)
+    gradients = tape.gradient(objective, variables)
+    if single:
+        acc._apply_single(host.optimizer, gradients, weight)
+    elif loss_scaled:
+        # Unscaled and weighed in one multiply by the accumulator.
+        acc.accumulate(gradients, weight, loss_scale_optimizer=host.optimizer)
+    else:
+        acc.accumulate_weighted(gradients, weight)
+    return y_pred, replica_loss, weight

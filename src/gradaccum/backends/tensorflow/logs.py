@@ -1,0 +1,90 @@
+"""gradaccum's entries in `fit`'s logs on TensorFlow: `updates` (the optimizer's
+update count), `window_micro_batches` and `window_weight` (what the last update's
+window held), `skipped` (micro-batches skipped for a non-finite gradient) and, with
+`micro_batch_size="auto"`, the size the search settled on.
+
+`with_counters` reads them inside the compiled step (no host round trip per batch);
+`write` writes the epoch's after its end-of-data window closed.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from gradaccum.backends.tensorflow import keras_compat as kc
+
+
+def updating_optimizer(accumulation):
+    """The optimizer whose update count `updates` logs: the model's `optimizer`,
+    unless the model's own train_step never handed it gradients while it trained
+    other optimizers (a GAN's, created in its `compile`: `model.optimizer` is then
+    Keras's unused default). Known once the step is traced."""
+    optimizer = getattr(accumulation.host, "optimizer", None)
+    # The optimizers the step handed gradients to (under several replicas
+    # `model.optimizer` has an accumulator made before tracing, used or not).
+    used = list(accumulation.own_step.handed) or [
+        owner for _, owner in accumulation.state.own
+    ]
+    if not used or any(owner is optimizer for owner in used):
+        return optimizer
+    return used[0]
+
+
+def last_window(accumulation) -> dict:
+    """What the last update's window held (`window_micro_batches`, `window_weight`),
+    of the accumulator that applies with the updating optimizer; empty before there
+    is one."""
+    optimizer = updating_optimizer(accumulation)
+    state = accumulation.state
+    pairs = list(state.own)
+    if state.accumulator is not None:
+        pairs.insert(0, (state.accumulator, accumulation.host.optimizer))
+    for acc, owner in pairs:
+        if owner is optimizer:
+            return {
+                "window_micro_batches": acc.last_window_micro_batches,
+                "window_weight": acc.last_window_weight,
+            }
+    return {}
+
+
+def skips_possible(accumulation) -> bool:
+    """Whether a micro-batch can be skipped (then `skipped` is logged)."""
+    optimizer = getattr(accumulation.host, "optimizer", None)
+    return accumulation.options.nonfinite != "apply" or (
+        optimizer is not None and kc.is_loss_scale_optimizer(optimizer)
+    )
+
+
+def write(accumulation, logs) -> None:
+    """Writes the entries into an epoch's `logs` (eagerly, after the epoch)."""
+    if logs is None or accumulation.state is None:
+        return
+    optimizer = updating_optimizer(accumulation)
+    if optimizer is not None:
+        logs["updates"] = float(optimizer.iterations.numpy())
+    logs.update(
+        {key: float(value.numpy()) for key, value in last_window(accumulation).items()}
+    )
+    if skips_possible(accumulation):
+        logs["skipped"] = float(accumulation.state.skipped)
+    search = accumulation.auto_size
+    if search is not None and search.chosen is not None:
+        logs["micro_batch_size"] = float(search.chosen)
+
+
+def with_counters(accumulation, logs):
+    """The step's `logs` with the entries, read in the compiled step."""
+    if not isinstance(logs, dict):
+        return logs
+    logs = dict(logs)
+    optimizer = updating_optimizer(accumulation)
+    if optimizer is not None:
+        logs["updates"] = tf.cast(optimizer.iterations, tf.float32)
+    logs.update(
+        {key: tf.cast(value, tf.float32) for key, value in last_window(accumulation).items()}
+    )
+    if skips_possible(accumulation):
+        counts = [tf.cast(acc.skipped, tf.float32) for acc in accumulation.state.accumulators()]
+        logs["skipped"] = tf.add_n(counts) if counts else tf.constant(0.0)
+    return logs

@@ -1,0 +1,203 @@
+"""A model's own `train_step` on TensorFlow, run unchanged: gradaccum sits where the
+step hands gradients to an optimizer (`apply_gradients`, which calls `apply`).
+
+While any replica is inside the step, each optimizer attribute of the model has its
+`apply` routed to an accumulator: one per (optimizer, variable list, call in the step),
+each applied with its optimizer once per window. gradaccum's own updates go past the
+route (`keras_compat.apply_gradients`).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import keras
+import tensorflow as tf
+
+from gradaccum import batch_norm
+from gradaccum.backends.tensorflow import keras_compat as kc
+from gradaccum.backends.tensorflow.weights import micro_batch_weight
+
+
+def optimizers_of(model) -> list:
+    """The Keras optimizers a model holds: `model.optimizer` first, then any other
+    optimizer attribute (a GAN's generator and discriminator optimizers)."""
+    found = []
+    candidates = [getattr(model, "optimizer", None)]
+    for value in vars(model).values():
+        if isinstance(value, dict):
+            candidates += list(value.values())
+        elif isinstance(value, (list, tuple)):
+            candidates += list(value)
+        else:
+            candidates.append(value)
+    for optimizer in candidates:
+        if optimizer is not None and kc.is_optimizer(optimizer):
+            if all(optimizer is not other for other in found):
+                found.append(optimizer)
+    return found
+
+
+def _scaled(gradient, factor):
+    if gradient is None:
+        return None
+    if isinstance(gradient, tf.IndexedSlices):
+        values = gradient.values * tf.cast(factor, gradient.values.dtype)
+        return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
+    return gradient * tf.cast(factor, gradient.dtype)
+
+
+class OwnStep:
+    """Runs a model's own `train_step` with its optimizer calls accumulated.
+
+    Args:
+        accumulation: the `fit.Accumulation` of the model being trained.
+    """
+
+    def __init__(self, accumulation):
+        self._accumulation = accumulation
+        # Per thread: MirroredStrategy runs each replica's step in a thread of its
+        # own (the micro-batch in training, what its step handed over).
+        self._local = threading.local()
+        # The optimizers' `apply` is routed while any replica is in its step.
+        self._lock = threading.Lock()
+        self._routed = []
+        self._users = 0
+        # The optimizers the step handed gradients to, in order.
+        self.handed = []
+
+    def run(self, own_step, data):
+        """`own_step(data)` (the model's bound `train_step`) with its optimizer calls
+        accumulated; returns its logs."""
+        accumulation = self._accumulation
+        host, state = accumulation.host, accumulation.state
+        if not accumulation.options.split:
+            state.epoch_step.assign_add(1)
+        local = self._local
+        local.micro_batch = keras.utils.unpack_x_y_sample_weight(data)
+        accumulation.normalizers.take()
+        local.intercepted = 0
+        local.calls_in_step = {}
+        layers = state.own[0][0].batch_normalization_layers if state.own else []
+        self._route(optimizers_of(host))
+        try:
+            with batch_norm.driving(layers):
+                logs = own_step(data)
+        finally:
+            self._end_route()
+        local.micro_batch = None
+        if not local.intercepted:
+            raise ValueError(
+                f"The train_step of {type(host).__name__} must hand its gradients to an "
+                "optimizer of the model (`self.optimizer.apply_gradients(...)` or "
+                "`.apply(...)`) for gradaccum to accumulate them. Received: a step "
+                "that called neither on any optimizer attribute of the model, so "
+                "nothing would be trained."
+            )
+        return logs
+
+    def _route(self, optimizers) -> None:
+        """Routes each optimizer's `apply` (which `apply_gradients` calls) to the
+        accumulators, while any replica is inside its step."""
+        with self._lock:
+            self._users += 1
+            if self._users > 1:
+                return
+            for optimizer in optimizers:
+                self._routed.append(
+                    (optimizer, "apply" in optimizer.__dict__, optimizer.__dict__.get("apply"))
+                )
+
+                def apply(grads, trainable_variables=None, *, _opt=optimizer):
+                    return self._accumulate(_opt, grads, trainable_variables)
+
+                optimizer.apply = apply
+
+    def _end_route(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users:
+                return
+            for optimizer, had, value in self._routed:
+                if had:
+                    optimizer.apply = value
+                else:
+                    del optimizer.apply
+            self._routed = []
+
+    def _accumulate(self, optimizer, grads, trainable_variables):
+        """What an optimizer's `apply` does inside the step: the micro-batch's
+        gradients go to their accumulator, which applies when its window is due."""
+        accumulation = self._accumulation
+        local = self._local
+        local.intercepted += 1
+        if all(optimizer is not other for other in self.handed):
+            self.handed.append(optimizer)
+        grads = list(grads)
+        if trainable_variables is None:
+            trainable_variables = kc.optimizer_variables_of(optimizer)
+        variables = list(trainable_variables)
+        # A step that hands the same variables to the same optimizer twice makes
+        # two updates per batch: one accumulator per call, each once per window.
+        key = (id(optimizer), tuple(id(v) for v in variables))
+        occurrence = local.calls_in_step.get(key, 0)
+        local.calls_in_step[key] = occurrence + 1
+        acc = self.accumulator(optimizer, variables, occurrence)
+        x, y, sample_weight = local.micro_batch
+        weight = micro_batch_weight(accumulation, x, y, sample_weight, False)
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        if replicas > 1 and accumulation.options.reduction == "mean":
+            # Keras's losses divide a replica's loss by the replica count (its
+            # optimizer then sums the replicas): undone, so that the weighted
+            # window is the global window's gradient. Reduction "sum" sums the
+            # replicas' gradients as Keras's optimizer does: kept.
+            grads = [_scaled(g, replicas) for g in grads]
+        if kc.is_loss_scale_optimizer(optimizer):
+            acc.accumulate(grads, weight, loss_scale_optimizer=optimizer)
+        else:
+            acc.accumulate(grads, weight)
+        if not accumulation.options.split:
+            # In split mode the batch's step applies once its micro-batches are in.
+            accumulation.close_if_due(acc, optimizer)
+        return optimizer.iterations
+
+    def accumulator(self, optimizer, variables, occurrence=0):
+        """The accumulator of `optimizer` and `variables` (the `occurrence`-th call
+        in the step with both), made the first time it is asked for."""
+        found = self._find(optimizer, variables, occurrence)
+        if found is not None:
+            return found
+        if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
+            # A replica cannot create the strategy's variables (a GAN's second
+            # optimizer, met in the traced step): the replicas, which trace the same
+            # step, meet here and one cross-replica call makes the accumulator.
+            tf.distribute.get_replica_context().merge_call(
+                lambda _: self._find(optimizer, variables, occurrence)
+                or self._new(optimizer, variables)
+            )
+            return self._find(optimizer, variables, occurrence)
+        return self._new(optimizer, variables)
+
+    def _find(self, optimizer, variables, occurrence):
+        for acc, owner in self._accumulation.state.own:
+            if owner is optimizer and len(acc.target_variables) == len(variables) and all(
+                a is b for a, b in zip(acc.target_variables, variables)
+            ):
+                if occurrence == 0:
+                    return acc
+                occurrence -= 1
+        return None
+
+    def _new(self, optimizer, variables):
+        accumulation = self._accumulation
+        state = accumulation.state
+        layers = accumulation.layers if not state.own else None
+        name = f"gradaccum_own_{len(state.own)}"
+        # Made (and given any restored values) outside the step being traced, once.
+        with tf.init_scope():
+            acc = accumulation.options.accumulator(variables, layers=layers, name=name)
+            for layer in acc.batch_normalization_layers:
+                layer._accumulated = False
+            state.own.append((acc, optimizer))
+            accumulation.restore_pending()
+        return acc
