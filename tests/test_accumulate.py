@@ -380,3 +380,33 @@ def test_backup_and_restore_resumes_mid_window_exactly(tmp_path, cls):
                 callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=1)])
     assert_weights_close(resumed, full, rtol=1e-6, atol=1e-7)
     assert int(resumed.optimizer.iterations) == int(full.optimizer.iterations) == 6
+
+
+def _three_layers(seed=0):
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(6, activation="tanh"),
+                              keras.layers.Dense(6, activation="tanh"), keras.layers.Dense(3)])
+    rng = np.random.default_rng(seed)
+    model.set_weights([rng.normal(0, 0.5, w.shape).astype(w.dtype) for w in model.get_weights()])
+    return model
+
+
+def test_a_compile_that_freezes_a_layer_keeps_each_variables_window():
+    # 5 micro-batches with steps=3 and carry: a window of 2 stays open; layer 0 is
+    # frozen and the model compiled again. Layers 1 and 2 have kernels of one shape
+    # (6x6 and 6x6 before; 6x6 and 6x3 after): each window sum stays with its
+    # variable, and the frozen layer's share is dropped with a warning.
+    x, y = data(24)
+    model = gradaccum.accumulate(_three_layers(), steps=3, partial="carry")
+    model.compile(keras.optimizers.SGD(0.5), SCE)
+    model.fit(x[:20], y[:20], batch_size=4, epochs=1, shuffle=False, verbose=0)
+    model.layers[0].trainable = False
+    with pytest.warns(UserWarning, match="no longer a trainable variable"):
+        model.compile(keras.optimizers.SGD(0.5), SCE)
+        model.fit(x[20:], y[20:], batch_size=4, epochs=1, shuffle=False, verbose=0)
+    reference = _three_layers()
+    reference.compile(keras.optimizers.SGD(0.5), SCE)
+    reference.train_on_batch(x[:12], y[:12])
+    reference.layers[0].trainable = False
+    reference.compile(keras.optimizers.SGD(0.5), SCE)
+    reference.train_on_batch(x[12:24], y[12:24])
+    assert_weights_close(model, reference)

@@ -56,6 +56,54 @@ def restore(named: dict, pending: dict) -> None:
         variable.assign(value)
 
 
+# An open window's sums wait for the next state under their variable's path: a compile
+# after `layer.trainable = False` changes the list (and the order) of trainable
+# variables, and a sum must stay with its variable.
+_BY_PATH = "accumulator@"
+
+
+def keyed_by_variable(values: dict, variables, prefix: str = "", vectors=()) -> dict:
+    """`values` (saved by slot: `<prefix>accumulator_<i>`, and each name of `vectors`
+    with one entry per variable) with the per-variable entries keyed by the paths of
+    `variables` instead."""
+    values = dict(values)
+    vectors = {name: values.pop(prefix + name, None) for name in vectors}
+    for i, variable in enumerate(variables):
+        key = f"{prefix}{_BY_PATH}{variable.path}"
+        values[key] = {"sum": values.pop(f"{prefix}accumulator_{i}", None)}
+        for name, vector in vectors.items():
+            if vector is not None:
+                values[key][name] = np.asarray(vector)[i]
+    return values
+
+
+def to_slots(pending: dict, variables, prefix: str = "", vectors=()) -> None:
+    """Puts what `keyed_by_variable` keyed by path back in the slots of `variables`
+    (the new list), in place; a variable no longer among them loses its share of the
+    open window, with a warning if it held anything."""
+    start = prefix + _BY_PATH
+    by_path = {k[len(start):]: k for k in pending if k.startswith(start)}
+    if not by_path:
+        return
+    slots = {name: [] for name in vectors}
+    for i, variable in enumerate(variables):
+        saved = pending.pop(by_path.pop(variable.path, None), None) or {}
+        if saved.get("sum") is not None:
+            pending[f"{prefix}accumulator_{i}"] = saved["sum"]
+        for name in vectors:
+            slots[name].append(saved.get(name, 0))
+    for name, entries in slots.items():
+        pending[prefix + name] = np.asarray(entries)
+    for path, key in by_path.items():
+        saved = pending.pop(key)
+        if saved.get("sum") is not None and np.any(saved["sum"]):
+            warnings.warn(
+                f"gradaccum discards the open window's gradient sum of {path!r}: it "
+                "is no longer a trainable variable of the model.",
+                stacklevel=3,
+            )
+
+
 def hook_first(hook, callbacks):
     """`fit`'s callbacks with gradaccum's `hook` first, and whether they can restore
     inside an epoch (a `BackupAndRestore` among them).

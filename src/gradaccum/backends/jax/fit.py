@@ -11,7 +11,6 @@ the data ends in, the errors the jitted step can only record, and the `updates` 
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import keras
 import numpy as np
@@ -26,7 +25,6 @@ from gradaccum.core.window import SCHEDULE_RULE
 from gradaccum.weighting import NEGATIVE_WEIGHT, NormalizerLog
 
 # Saved sums of the open window keyed by their variable's path (after a compile).
-_BY_PATH = "accumulator@"
 
 
 class Options(CoreOptions):
@@ -174,12 +172,9 @@ class Accumulation:
             saved = {
                 name: v.numpy() for name, v in self.state.named().items()
                 if name not in ("epoch_step", "resume_skip", "epoch_length")
-                and not name.startswith("accumulator_")
             }
-            # The window's sums by the variable they belong to: a compile after
-            # `layer.trainable = False` changes the list of trainable variables.
-            for variable, acc in zip(self._variables, self.state.accumulators):
-                saved[_BY_PATH + variable.path] = acc.numpy()
+            # The window's sums by the variable they belong to.
+            saved = _fit_common.keyed_by_variable(saved, self._variables)
             self._pending = {**saved, **self._pending}
             metrics = kc.model_metrics(self.host)
             metrics[:] = [m for m in metrics if m is not self.state]
@@ -219,19 +214,7 @@ class Accumulation:
         if not self._pending or self.state is None:
             return
         pending = self._pending
-        by_path = {k[len(_BY_PATH):]: k for k in pending if k.startswith(_BY_PATH)}
-        for i, variable in enumerate(self._variables):
-            key = by_path.pop(variable.path, None)
-            if key is not None:
-                pending[f"accumulator_{i}"] = pending.pop(key)
-        for path, key in by_path.items():
-            # A variable no longer trained: its share of the open window is dropped.
-            if np.any(pending.pop(key)):
-                warnings.warn(
-                    f"gradaccum discards the open window's gradient sum of {path!r}: it "
-                    "is no longer a trainable variable of the model.",
-                    stacklevel=3,
-                )
+        _fit_common.to_slots(pending, self._variables)
         _fit_common.restore(self.state.named(), pending)
 
     # fit ----------------------------------------------------------------------------

@@ -209,6 +209,11 @@ class Accumulation:
                 for k, v in self.saved_variables().items()
                 if k not in ("epoch_step", "resume_skip")
             }
+            # Each window's sums by the variable they belong to.
+            for prefix, acc in self._prefixed():
+                saved = _fit_common.keyed_by_variable(
+                    saved, acc.target_variables, prefix, vectors=("received",)
+                )
             self._pending = {**saved, **self._pending}
         self.state = None
         self.own_step.handed = []
@@ -326,7 +331,17 @@ class Accumulation:
         """Gives the state the values `load_from` (or a compile) left waiting."""
         if not self._pending or self.state is None:
             return
+        for prefix, acc in self._prefixed():
+            _fit_common.to_slots(
+                self._pending, acc.target_variables, prefix, vectors=("received",)
+            )
         _fit_common.restore(self.saved_variables(), self._pending)
+
+    def _prefixed(self) -> list:
+        """Each accumulator with the prefix of its names in `saved_variables`."""
+        state = self.state
+        pairs = [] if state.accumulator is None else [("", state.accumulator)]
+        return pairs + [(f"own_{j}_", acc) for j, (acc, _) in enumerate(state.own)]
 
     # The training step -----------------------------------------------------------
 
