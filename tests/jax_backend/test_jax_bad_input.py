@@ -83,17 +83,6 @@ def test_a_model_with_its_own_train_step():
         gradaccum.accumulate(model, steps=2)
 
 
-def test_a_loss_scale_optimizer():
-    x, y = data(8)
-    model = gradaccum.accumulate(mlp(), steps=2)
-    model.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()), SCE)
-    with pytest.raises(ValueError, match=re.escape(
-        "On Keras's JAX backend gradaccum does not train with a LossScaleOptimizer "
-        "(mixed_float16)"
-    )):
-        model.fit(x, y, batch_size=4, verbose=0)
-
-
 @pytest.mark.parametrize("name", ["GradientAccumulator", "BatchNormalization"])
 def test_tensorflow_only_names_say_where_they_run(name):
     gradaccum.__dict__.pop(name, None)

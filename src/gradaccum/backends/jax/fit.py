@@ -147,14 +147,6 @@ class Accumulation:
                 f"gradients of. Received: model {host.name!r} with none."
             )
         optimizer = host.optimizer
-        if kc.is_loss_scale_optimizer(optimizer):
-            raise ValueError(
-                "On Keras's JAX backend gradaccum does not train with a "
-                "LossScaleOptimizer (mixed_float16): its scale must react to each "
-                "micro-batch. Received: optimizer of type LossScaleOptimizer. Use "
-                "mixed_bfloat16, which needs no loss scaling, or "
-                "keras.backend.backend()='tensorflow'."
-            )
         if not optimizer.built:
             optimizer.build(host.trainable_variables)
         terms = max(0, kc.count_compiled_losses(kc.compiled_loss(host)) - 1)
@@ -297,7 +289,8 @@ class Accumulation:
         logs["updates"] = float(self.host.optimizer.iterations.numpy())
         logs["window_micro_batches"] = float(state.last_window_micro_batches.numpy())
         logs["window_weight"] = float(state.last_window_weight.numpy())
-        if self.options.nonfinite != "apply":
+        loss_scaled = kc.is_loss_scale_optimizer(self.host.optimizer)
+        if self.options.nonfinite != "apply" or loss_scaled:
             logs["skipped"] = float(state.skipped.numpy())
 
     def warn(self) -> None:
@@ -308,7 +301,9 @@ class Accumulation:
             self._warned.add("inexact")
             _fit_common.warn_inexact(stacklevel=4)
         skipped = int(state.skipped.numpy())
+        # Loss scaling skips overflowing micro-batches by design: no warning.
         if (self.options.nonfinite == "skip" and skipped > self._skipped_at_start
+                and not kc.is_loss_scale_optimizer(self.host.optimizer)
                 and "skipped" not in self._warned):
             self._warned.add("skipped")
             warn_skipped(skipped - self._skipped_at_start, stacklevel=3)

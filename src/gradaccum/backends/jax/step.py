@@ -8,6 +8,12 @@ by the micro-batch's weight, adds the gradient to the accumulators, and, when th
 window closes, makes one optimizer update with the combined gradient
 (`gradaccum.core.combine`) through the optimizer's `stateless_apply` inside a
 `lax.cond`: the update's math runs only when a window closes.
+
+Under a `LossScaleOptimizer` (`mixed_float16`) the loss Keras scales is
+differentiated; each micro-batch's gradient is unscaled as it is added, an overflow
+skips the micro-batch and the scale reacts at once (halved; finite micro-batches
+count as Keras's finite steps), and the window is applied with the inner optimizer,
+as on TensorFlow.
 """
 
 from __future__ import annotations
@@ -64,6 +70,14 @@ class TrainStep:
             i for i, v in enumerate(optimizer.variables) if v is optimizer.iterations
         )
         self.variable_dtypes = [v.dtype for v in model.trainable_variables]
+        # A LossScaleOptimizer: its own variables (step counter, scale) come first
+        # among its variables, then the inner optimizer's.
+        self.loss_scaled = kc.is_loss_scale_optimizer(optimizer)
+        if self.loss_scaled:
+            slot = {id(v): i for i, v in enumerate(optimizer.variables)}
+            self.counter_slot = slot[id(optimizer.step_counter)]
+            self.scale_slot = slot[id(optimizer.dynamic_scale)]
+            self.inner_slots = [slot[id(v)] for v in optimizer.inner_optimizer.variables]
         self.terms = int(state.term_ratios.shape[0])
         # Whether the fit can restore inside an epoch (BackupAndRestore): only then
         # does the step carry the branch that skips micro-batches trained on.
@@ -105,7 +119,10 @@ class TrainStep:
             weight = jax.lax.stop_gradient(
                 self.micro_batch_weight(x, y, sample_weight, normalizers)
             )
-            value = loss * weight.astype(loss.dtype) if mean else loss
+            # Under loss scaling the weight comes with the unscaling instead, so
+            # that the scaled loss is the one Keras scales (no extra overflows).
+            weigh_loss = mean and not self.loss_scaled
+            value = loss * weight.astype(loss.dtype) if weigh_loss else loss
             return value, (aux, weight, normalizers)
 
         (_, (aux, weight, normalizers)), gradients = jax.value_and_grad(
@@ -123,6 +140,12 @@ class TrainStep:
 
         accept = self.accepts(gradients)
         finite = all_finite(gradients) if options.nonfinite == "raise" else None
+        if self.loss_scaled:
+            # An overflow is expected now and then: always skipped, never raised.
+            gradients, accept, optimizer_variables = self.unscale(
+                gradients, weight if mean else None, accept, optimizer_variables
+            )
+            finite = None
         if finite is not None:
             error = jnp.where(finite, error, ERRORS["nonfinite"])
         # A window opens: its length is the schedule's at the update it will make.
@@ -219,6 +242,31 @@ class TrainStep:
             return jnp.asarray(first.shape[0], "float32")
         return jnp.asarray(normalizers[0], "float32")
 
+    def unscale(self, gradients, weight, accept, optimizer_variables):
+        """Under a LossScaleOptimizer: the gradients unscaled (and weighed by
+        `weight` unless it is None: one multiply for both), whether the micro-batch
+        is accumulated (its gradients are finite, and a `nonfinite` callable keeps
+        it), and the optimizer's variables with the scale's reaction: doubled after
+        `dynamic_growth_steps` accepted micro-batches in a row, halved on a skip."""
+        optimizer_variables = list(optimizer_variables)
+        scale = optimizer_variables[self.scale_slot]
+        counter = optimizer_variables[self.counter_slot]
+        accepted = all_finite(gradients)
+        if callable(self.options.nonfinite):
+            accepted = accepted & accept
+        grows = counter == self.model.optimizer.dynamic_growth_steps - 1
+        optimizer_variables[self.counter_slot] = jnp.where(
+            accepted & ~grows, counter + 1, jnp.zeros_like(counter)
+        )
+        optimizer_variables[self.scale_slot] = jnp.where(
+            accepted, jnp.where(grows, scale * 2, scale), scale * 0.5
+        )
+        factor = 1.0 / scale.astype("float32")
+        if weight is not None:
+            factor = factor * weight.astype("float32")
+        unscaled = [None if g is None else g * factor.astype(g.dtype) for g in gradients]
+        return unscaled, accepted, optimizer_variables
+
     def accepts(self, gradients):
         """Whether the micro-batch is accumulated under `nonfinite` (a boolean)."""
         nonfinite = self.options.nonfinite
@@ -259,9 +307,19 @@ class TrainStep:
         def update(operands):
             trainable, optimizer_variables, sums, total_weight = operands
             gradients = combine(sums, total_weight, options.reduction, self.variable_dtypes)
-            return model.optimizer.stateless_apply(
-                list(optimizer_variables), gradients, list(trainable)
+            if not self.loss_scaled:
+                return model.optimizer.stateless_apply(
+                    list(optimizer_variables), gradients, list(trainable)
+                )
+            # Unscaled and finite already: the inner optimizer applies them.
+            optimizer_variables = list(optimizer_variables)
+            trainable, inner = model.optimizer.inner_optimizer.stateless_apply(
+                [optimizer_variables[i] for i in self.inner_slots], gradients,
+                list(trainable),
             )
+            for i, value in zip(self.inner_slots, inner):
+                optimizer_variables[i] = value
+            return trainable, optimizer_variables
 
         def keep(operands):
             trainable, optimizer_variables, _, _ = operands
@@ -309,7 +367,7 @@ class TrainStep:
             "window_micro_batches": ours["last_window_micro_batches"].astype("float32"),
             "window_weight": ours["last_window_weight"].astype("float32"),
         }
-        if self.options.nonfinite != "apply":
+        if self.options.nonfinite != "apply" or self.loss_scaled:
             logs["skipped"] = ours["skipped"].astype("float32")
         if self.raises:
             logs[ERROR_KEY] = ours["error"]
