@@ -13,7 +13,7 @@ GPU the replicas are logical CPU devices.
 `--workers 2`: the same MLP under MultiWorkerMirroredStrategy, two processes on
 127.0.0.1 (one CPU replica each); the strategy's batch reductions and replica
 all-reduces are counted by wrapping them. Keras's own fit runs there with gradaccum's
-workaround for the Keras failures (`_keras_compat.across_workers`).
+workaround for the Keras failures (`backends.tensorflow.keras_compat.across_workers`).
 
 Prints a Markdown table: reductions and bytes reduced per 1,000 samples, bytes against
 Keras fit under the same conditions, samples/s (median of the repeats). Nothing is

@@ -150,7 +150,7 @@ def count_skip(accumulator, windowed: bool = True) -> None:
         state.window_skipped.assign_add(1)
     if not (windowed and tf.distribute.has_strategy()):
         # Under a strategy a replica's skipped shares are counted at the update,
-        # summed across replicas (`replicas.update`).
+        # summed across replicas (`replicas._update`).
         state.skipped.assign_add(1)
     for layer in accumulator.batch_normalization_layers:
         layer._discard_micro_batch()
