@@ -104,6 +104,24 @@ def to_slots(pending: dict, variables, prefix: str = "", vectors=()) -> None:
             )
 
 
+def begin_fit(accumulation, hook, epochs, callbacks, kwargs):
+    """What both adapters do as `fit` starts: `hook` first among the callbacks (and
+    told whether there are epochs to run), the train function made again when the
+    fit's ability to restore inside an epoch changed (the step that skips restored
+    micro-batches costs a branch per micro-batch: compiled only for fits that can
+    restore), and the epoch position at its start (BackupAndRestore may then restore
+    one inside an epoch). Returns the callbacks to give `fit`."""
+    hook.epochs_to_run = epochs > kwargs.get("initial_epoch", 0)
+    callbacks, resumable = hook_first(hook, callbacks)
+    if resumable != accumulation.resumable:
+        accumulation.resumable = resumable
+        accumulation.host.train_function = None
+    if accumulation.state is not None:
+        accumulation.state.epoch_step.assign(0)
+        accumulation.state.resume_skip.assign(0)
+    return callbacks
+
+
 def hook_first(hook, callbacks):
     """`fit`'s callbacks with gradaccum's `hook` first, and whether they can restore
     inside an epoch (a `BackupAndRestore` among them).

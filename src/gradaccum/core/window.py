@@ -67,11 +67,16 @@ class WindowSpec:
     def callable_length(self, update_index):
         """The schedule callable's value at `update_index`, checked for its type
         (a backend checks the value >= 1 its own way)."""
-        value = check_callable_result(
-            self.steps(update_index),
-            "steps",
-            kind="an integer >= 1",
-            scalar="a scalar integer >= 1",
-            accepts=is_integer_dtype,
-        )
-        return keras.ops.cast(value, "int32")
+        return keras.ops.cast(checked_schedule_value(self.steps(update_index)), "int32")
+
+
+def checked_schedule_value(value):
+    """A `steps` callable's value, refused unless it is an integer scalar (both
+    adapters call the callable their own way, then check its value here)."""
+    return check_callable_result(
+        value,
+        "steps",
+        kind="an integer >= 1",
+        scalar="a scalar integer >= 1",
+        accepts=is_integer_dtype,
+    )

@@ -224,16 +224,8 @@ class Accumulation:
         return self.step(state, data)
 
     def fit(self, fit, x, y, batch_size, epochs, verbose, callbacks, kwargs):
-        host = self.host
         hook = (_RaisingHook if self._raises() else EpochHook)(self)
-        hook.epochs_to_run = epochs > kwargs.get("initial_epoch", 0)
-        callbacks, resumable = _fit_common.hook_first(hook, callbacks)
-        if resumable != self.resumable:
-            self.resumable = resumable
-            host.train_function = None
-        if self.state is not None:
-            self.state.epoch_step.assign(0)
-            self.state.resume_skip.assign(0)
+        callbacks = _fit_common.begin_fit(self, hook, epochs, callbacks, kwargs)
         return fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
                    callbacks=callbacks, **kwargs)
 

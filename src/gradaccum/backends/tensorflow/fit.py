@@ -226,18 +226,7 @@ class Accumulation:
         host = self.host
         self._verbose = verbose
         hook = EpochHook(self)
-        hook.epochs_to_run = epochs > kwargs.get("initial_epoch", 0)
-        callbacks, resumable = _fit_common.hook_first(hook, callbacks)
-        if resumable != self.resumable:
-            # The step that can skip restored micro-batches costs a branch per
-            # micro-batch: compile it only for fits that can restore.
-            self.resumable = resumable
-            host.train_function = None
-        if self.state is not None:
-            # A new fit starts at an epoch's beginning; BackupAndRestore may then
-            # restore a position inside an epoch.
-            self.state.epoch_step.assign(0)
-            self.state.resume_skip.assign(0)
+        callbacks = _fit_common.begin_fit(self, hook, epochs, callbacks, kwargs)
         with kc.across_workers(host), kc.observing_epoch_length(host, hook):
             return fit(
                 x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,

@@ -17,14 +17,11 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from gradaccum._validation import (
-    check_callable_result,
-    is_integer_dtype,
-)
 from gradaccum.core.window import (  # noqa: F401 (PARTIALS re-exported)
     PARTIALS,
     SCHEDULE_RULE,
     WindowSpec,
+    checked_schedule_value,
 )
 
 _SCHEDULE_RULE = SCHEDULE_RULE
@@ -76,14 +73,7 @@ class WindowRule(WindowSpec):
         return tf.cast(super().length(update_index), tf.int64)
 
     def _checked_length(self, update_index):
-        value = check_callable_result(
-            self._schedule(update_index),
-            "steps",
-            kind="an integer >= 1",
-            scalar="a scalar integer >= 1",
-            accepts=is_integer_dtype,
-        )
-        value = tf.cast(value, tf.int64)
+        value = tf.cast(checked_schedule_value(self._schedule(update_index)), tf.int64)
         if tf.executing_eagerly():
             if int(value) < 1:
                 raise ValueError(
