@@ -16,7 +16,7 @@ import tensorflow as tf
 import gradaccum
 from conftest import assert_same_state, make_trainer, trained
 from gradaccum.attach import accumulation_of
-from gradaccum.backends.tensorflow import split as _split
+from gradaccum.core.auto_size import AutoSize
 from test_accumulate import OwnStep, Penalized, TwoOptimizers, seeded
 from test_keras_model import SCE, assert_weights_close, data, max_gap, mlp
 
@@ -398,7 +398,7 @@ def test_a_batch_whose_tensors_disagree_on_their_first_dimension():
 
 
 def test_auto_search_halves_then_settles_on_the_largest_size_that_runs():
-    search = _split.AutoSize()
+    search = AutoSize()
     tried = []
     for _ in range(4):  # batches of 40; sizes above 12 run out of memory
         while True:
@@ -415,18 +415,18 @@ def test_auto_search_halves_then_settles_on_the_largest_size_that_runs():
 
 
 def test_auto_search_with_a_cap_and_a_batch_that_fits():
-    search = _split.AutoSize(cap=32)
+    search = AutoSize(cap=32)
     assert search.size_for(100) == 32
     search.ran(32)
     assert search.settled and search.chosen == 32
     assert search.size_for(10) == 10  # a smaller batch runs whole
-    whole = _split.AutoSize()
+    whole = AutoSize()
     whole.ran(40)
     assert whole.settled and whole.chosen == 40
 
 
 def test_auto_search_goes_down_again_when_a_size_that_ran_fails():
-    search = _split.AutoSize()
+    search = AutoSize()
     search.ran(16)
     search.failed(16)  # memory taken elsewhere since
     assert not search.settled

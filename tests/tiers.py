@@ -101,6 +101,11 @@ FEATURES = {
         "jax_backend/test_jax_accumulate.py::test_a_schedule_of_steps_by_update_index",
     "JAX: resuming inside a window":
         "jax_backend/test_jax_accumulate.py::test_save_weights_in_the_middle_of_a_window_resumes_exactly",
+    "JAX: split mode":
+        "jax_backend/test_jax_split.py::"
+        "test_batches_of_40_split_equal_plain_fit_at_40_with_adam_for_3_epochs",
+    'JAX: micro_batch_size="auto"':
+        "jax_backend/test_jax_split.py::test_auto_halves_until_a_size_runs_and_equals_plain_fit",
 }
 
 SLOW = [
@@ -127,6 +132,14 @@ SLOW = [
     "test_a_compile_that_freezes_a_layer_keeps_each_variables_window",
     "jax_backend/test_jax_accumulate.py::"
     "test_save_weights_after_a_recompile_keeps_the_open_window",
+    "jax_backend/test_jax_split.py::test_nested_inputs_and_sample_weights_are_split_alike",
+    "jax_backend/test_jax_split.py::test_masked_sequences_are_weighted_by_their_tokens",
+    "jax_backend/test_jax_split.py::test_a_models_own_compute_loss_runs_per_micro_batch",
+    "jax_backend/test_jax_split.py::test_steps_per_execution_runs_two_split_batches_per_call",
+    "jax_backend/test_jax_split.py::"
+    "test_mixed_float16_with_loss_scaling_equals_plain_fit_under_the_policy",
+    "jax_backend/test_jax_split.py::test_auto_with_a_cap_and_a_batch_that_fits",
+    "jax_backend/test_jax_split.py::test_auto_other_errors_are_not_retried",
     # Child processes that start TensorFlow, several times each.
     "test_faults.py",
     "test_install.py",

@@ -161,3 +161,26 @@ for _event in [name for name in dir(keras.callbacks.Callback) if name.startswith
             *args, **kwargs
         ),
     )
+
+
+def size_chosen(accumulation) -> None:
+    """`micro_batch_size="auto"` ran a batch: the host's `micro_batch_size` follows
+    the search (`accumulation.auto_size`), which says once (when `fit` is verbose,
+    `accumulation._verbose`) where it settled."""
+    search = accumulation.auto_size
+    accumulation.host.__dict__["micro_batch_size"] = search.chosen
+    # Said when a size that ran out of memory decided it (and again if the search
+    # later settles elsewhere); without a failure nothing is split.
+    if (search.settled and search.fails is not None
+            and accumulation._announced != search.chosen):
+        accumulation._announced = search.chosen
+        verbose = accumulation._verbose
+        if verbose:
+            failed = ", ".join(str(size) for size in search.failures)
+            reason = f" ({failed} ran out of memory)" if failed else ""
+            # On a line of its own, after the progress bar's.
+            start = "\n" if verbose in (1, "auto") else ""
+            print(
+                f'{start}gradaccum: micro_batch_size="auto" settled on '
+                f"{search.chosen} samples per micro-batch{reason}."
+            )

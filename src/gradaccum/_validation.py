@@ -195,6 +195,19 @@ def check_window_options(steps, micro_batch_size, max_micro_batch_size, partial,
     return micro_batch_size, cap
 
 
+def check_batch_dimensions(first_dimensions, shapes) -> None:
+    """The arrays of a batch to split into micro-batches agree on their first
+    dimension (None: not known before the step runs)."""
+    known = sorted({size for size in first_dimensions if size is not None})
+    if len(known) > 1:
+        shapes = ", ".join(str(tuple(shape)) for shape in shapes)
+        raise ValueError(
+            "The tensors of a batch must agree on their first (batch) dimension to "
+            f"be split into micro-batches. Received: first dimensions {known} "
+            f"(shapes {shapes})"
+        )
+
+
 def check_choice(name: str, value, choices: Sequence[str]) -> str:
     """Returns `value` if it is one of `choices`, else raises ValueError."""
     if not isinstance(value, str) or value not in choices:

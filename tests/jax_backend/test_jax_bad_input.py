@@ -12,15 +12,6 @@ from helpers import SCE, data, mlp
 import gradaccum
 
 
-def test_split_mode_names_the_backend_it_runs_on():
-    with pytest.raises(ValueError, match=re.escape(
-        "`micro_batch_size` (split mode) runs on Keras's TensorFlow backend; on JAX give "
-        "`steps` (each batch is a micro-batch). Received: micro_batch_size=4 with "
-        "keras.backend.backend()='jax'"
-    )):
-        gradaccum.accumulate(mlp(), micro_batch_size=4)
-
-
 def test_a_schedule_callable_jax_cannot_trace():
     def python_if(update_index):
         return 1 if update_index < 2 else 4

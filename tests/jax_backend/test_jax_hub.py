@@ -70,3 +70,24 @@ def test_bert_classifier_lora_on_strings_equals_the_task_trained_on_the_windows(
     assert history.history["updates"] == [3.0]
     assert max_gap(task, _bert_classifier()) > 1e-4
     assert_weights_close(task, reference, rtol=1e-5, atol=1e-6)
+
+
+def test_gpt2_lora_split_into_micro_batches_equals_the_task_on_the_whole_batch():
+    # Batches of 12 strings as 5 + 5 + 2 token-masked micro-batches: one update per
+    # batch, equal to the task's own fit on the batches.
+    texts = hub_models.make_texts()[:24]
+    task = hub_models.make_task(seed=0)
+    task.backbone.enable_lora(rank=4)
+    reference = hub_models.make_task(seed=0)
+    reference.backbone.enable_lora(rank=4)
+    reference.set_weights(task.get_weights())
+    initial = [w.copy() for w in task.get_weights()]
+
+    gradaccum.accumulate(task, micro_batch_size=5)
+    history = task.fit(texts, batch_size=12, shuffle=False, verbose=0)
+    expected = reference.fit(texts, batch_size=12, shuffle=False, verbose=0)
+    assert int(task.optimizer.iterations) == int(reference.optimizer.iterations) == 2
+    assert history.history["window_micro_batches"] == [3.0]
+    assert max(float(np.abs(a - b).max()) for a, b in zip(initial, task.get_weights())) > 1e-4
+    assert_weights_close(task, reference, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-5)

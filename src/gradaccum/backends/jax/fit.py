@@ -17,14 +17,14 @@ import numpy as np
 
 from gradaccum import _fit_common
 from gradaccum import _keras_common as kc
+from gradaccum.backends.jax import retry
 from gradaccum.backends.jax.state import AccumulationState
 from gradaccum.backends.jax.step import ERROR_KEY, TrainStep
+from gradaccum.core.auto_size import AutoSize
 from gradaccum.core.options import Options as CoreOptions
 from gradaccum.core.screening import raise_message, warn_skipped
 from gradaccum.core.window import SCHEDULE_RULE
 from gradaccum.weighting import NEGATIVE_WEIGHT, NormalizerLog
-
-# Saved sums of the open window keyed by their variable's path (after a compile).
 
 
 class Options(CoreOptions):
@@ -34,13 +34,6 @@ class Options(CoreOptions):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if self.split:
-            raise ValueError(
-                "`micro_batch_size` (split mode) runs on Keras's TensorFlow backend; on "
-                "JAX give `steps` (each batch is a micro-batch). Received: "
-                f"micro_batch_size={self.micro_batch_size!r} with "
-                "keras.backend.backend()='jax'"
-            )
         if self.accumulator_dtype == "float64":
             import jax
 
@@ -96,8 +89,20 @@ class Accumulation:
         self._warned = set()
         self._variables = []
         self._skipped_at_start = 0
+        # micro_batch_size="auto": the search, the step compiled for each size tried,
+        # and what fit says about it.
+        self.auto_size = AutoSize(options.max_micro_batch_size) if options.auto else None
+        self._sized_steps = {}
+        self._verbose = 0
+        self._announced = None
 
-    micro_batch_size = None
+    @property
+    def micro_batch_size(self) -> int | None:
+        """The micro-batch size of split mode: the one given, or the one `"auto"`
+        chose (None before its first batch, and in `steps` mode)."""
+        if self.auto_size is not None:
+            return self.auto_size.chosen
+        return self.options.micro_batch_size
 
     def attach(self, host, own_step=None) -> None:
         if own_step is not None:
@@ -217,13 +222,33 @@ class Accumulation:
             self.step = TrainStep(self.host, self.options, self.state, self.normalizers)
             force = True
         self.step.resumable = self.resumable
+        if self.auto_size is not None:
+            if force or self.host.train_function is None:
+                self._sized_steps = {}
+                self.host.train_function = self.host._make_function(
+                    retry.retrying(self, self._step_of_size)
+                )
+            return self.host.train_function
         make(force)
         return self.host.train_function
+
+    def _step_of_size(self, size: int):
+        """The step that splits batches into micro-batches of `size` samples,
+        compiled as Keras compiles its own (the state donated)."""
+        if size not in self._sized_steps:
+            self._sized_steps[size] = retry.compiled(
+                self.host, lambda state, data: self.step(state, data, size)
+            )
+        return self._sized_steps[size]
+
+    def size_chosen(self) -> None:
+        _fit_common.size_chosen(self)
 
     def train_step(self, state, data):
         return self.step(state, data)
 
     def fit(self, fit, x, y, batch_size, epochs, verbose, callbacks, kwargs):
+        self._verbose = verbose
         hook = (_RaisingHook if self._raises() else EpochHook)(self)
         callbacks = _fit_common.begin_fit(self, hook, epochs, callbacks, kwargs)
         return fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
@@ -281,6 +306,8 @@ class Accumulation:
         logs["updates"] = float(self.host.optimizer.iterations.numpy())
         logs["window_micro_batches"] = float(state.last_window_micro_batches.numpy())
         logs["window_weight"] = float(state.last_window_weight.numpy())
+        if self.micro_batch_size is not None and self.auto_size is not None:
+            logs["micro_batch_size"] = float(self.micro_batch_size)
         loss_scaled = kc.is_loss_scale_optimizer(self.host.optimizer)
         if self.options.nonfinite != "apply" or loss_scaled:
             logs["skipped"] = float(state.skipped.numpy())

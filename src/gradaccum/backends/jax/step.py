@@ -24,6 +24,7 @@ import keras
 
 from gradaccum import _fit_common
 from gradaccum import _keras_common as kc
+from gradaccum._validation import check_batch_dimensions
 from gradaccum.backends.jax.state import AccumulationState
 from gradaccum.core.combine import combine
 from gradaccum.weighting import callable_weight
@@ -85,13 +86,22 @@ class TrainStep:
 
     # The step ---------------------------------------------------------------------
 
-    def __call__(self, state, data):
+    def __call__(self, state, data, micro_batch_size=None):
+        """One batch: a micro-batch (`steps` mode), or in split mode the window cut
+        into micro-batches of `micro_batch_size` (the option's unless given: the
+        size `"auto"` tries)."""
         trainable, non_trainable, optimizer_variables, metrics_variables = state
         ours = {name: metrics_variables[i] for name, i in self.slots.items()}
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        (logs, trainable, non_trainable, optimizer_variables, metrics_variables,
-         ours) = self.micro_batch(trainable, non_trainable, optimizer_variables,
-                                  metrics_variables, ours, x, y, sample_weight)
+        if self.options.split:
+            size = micro_batch_size or self.options.micro_batch_size
+            (logs, trainable, non_trainable, optimizer_variables, metrics_variables,
+             ours) = self.split_batch(trainable, non_trainable, optimizer_variables,
+                                      metrics_variables, ours, data, size)
+        else:
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+            (logs, trainable, non_trainable, optimizer_variables, metrics_variables,
+             ours) = self.micro_batch(trainable, non_trainable, optimizer_variables,
+                                      metrics_variables, ours, x, y, sample_weight)
         metrics_variables = list(metrics_variables)
         for name, i in self.slots.items():
             metrics_variables[i] = ours[name]
@@ -100,14 +110,121 @@ class TrainStep:
 
     def micro_batch(self, trainable, non_trainable, optimizer_variables,
                     metrics_variables, ours, x, y, sample_weight):
+        """`steps` mode: the batch is one micro-batch of the open window, which it
+        may close."""
+        options = self.options
+        ours = dict(ours)
+        # The state as the micro-batch found it.
+        entry = dict(ours)
+        (ours, optimizer_variables, new_non_trainable, new_metrics, loss, y_pred, weight,
+         error) = self.accumulate(trainable, non_trainable, optimizer_variables,
+                                  metrics_variables, ours, x, y, sample_weight)
+        micro_step, total_weight = ours["micro_step"], ours["total_weight"]
+        epoch_step = ours["epoch_step"] + 1
+        length = micro_step + ours["window_skipped"]
+        if options.window.steps is not None:
+            due = length >= ours["window_steps"]
+        else:
+            due = total_weight >= options.window.weight_per_update
+        end = (ours["epoch_length"] > 0) & (epoch_step >= ours["epoch_length"])
+        partial = options.partial
+        close = (due | end if partial != "carry" else due) & (error == 0)
+        apply = close & (micro_step > 0) & ((partial != "drop") | due)
+        trainable_after, optimizer_after, window = self.close(
+            trainable, optimizer_variables, ours, apply, close
+        )
+        window["epoch_step"] = epoch_step
+        logs, metrics_after = self.stateless_metrics(
+            new_metrics, loss, weight, lambda: self.model.compute_metrics(
+                x, y, y_pred, sample_weight
+            )
+        )
+        after = (trainable_after, list(new_non_trainable), optimizer_after,
+                 list(metrics_after), window)
+        return (logs, *self.held(after, trainable, non_trainable, optimizer_variables,
+                                 metrics_variables, entry, epoch_step))
+
+    def split_batch(self, trainable, non_trainable, optimizer_variables,
+                    metrics_variables, ours, data, size):
+        """Split mode: the batch is the window, cut into micro-batches of `size`
+        samples run one at a time (a `lax.scan` over the whole ones, then the
+        shorter last one if the batch leaves one), and applied once."""
+        ours = dict(ours)
+        entry = dict(ours)
+        halted = ours["error"] > 0
+        batch = batch_size(data)
+        whole, rest = divmod(batch, size)
+        trainable = list(trainable)
+
+        def run(carry, micro):
+            non_trainable, optimizer_variables, metrics_variables, ours, weighted, weights = carry
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(micro)
+            (ours, optimizer_variables, non_trainable, metrics_variables, loss, y_pred,
+             weight, _) = self.accumulate(trainable, non_trainable, optimizer_variables,
+                                          metrics_variables, ours, x, y, sample_weight)
+            _, metrics_variables = self.stateless_metrics(
+                metrics_variables, None, None,
+                lambda: self.model.compute_metrics(x, y, y_pred, sample_weight),
+            )
+            weight = weight.astype("float32")
+            weighted = weighted + loss.astype("float32") * weight
+            carry = (list(non_trainable), list(optimizer_variables),
+                     list(metrics_variables), ours, weighted, weights + weight)
+            return carry, None
+
+        zero = jnp.zeros((), "float32")
+        carry = (list(non_trainable), list(optimizer_variables), list(metrics_variables),
+                 ours, zero, zero)
+        if whole == 1:
+            carry, _ = run(carry, cut(data, 0, size))
+        elif whole > 1:
+            stacked = jax.tree_util.tree_map(
+                lambda t: t[: whole * size].reshape((whole, size) + tuple(t.shape[1:])),
+                data,
+            )
+            carry, _ = jax.lax.scan(run, carry, stacked)
+        if rest:
+            carry, _ = run(carry, cut(data, whole * size, batch))
+        (new_non_trainable, new_optimizer, new_metrics, ours, weighted,
+         weights) = carry
+
+        # An error in this batch (a non-finite gradient with nonfinite="raise", a
+        # negative weight) leaves no update and no window: fit raises after the call.
+        failed = (ours["error"] > 0) & ~halted
+        apply = (ours["micro_step"] > 0) & ~failed
+        trainable_after, optimizer_after, window = self.close(
+            trainable, new_optimizer, ours, apply, jnp.asarray(True)
+        )
+        epoch_step = ours["epoch_step"] + 1
+        window["epoch_step"] = epoch_step
+        # The batch's loss, logged as Keras logs a step's on the whole batch.
+        loss = jnp.where(weights > 0, weighted / jnp.where(weights > 0, weights, 1.0), 0.0)
+        logs, metrics_after = self.stateless_metrics(
+            new_metrics, loss, jnp.asarray(batch, "float32"), self.model.get_metrics_result
+        )
+        after = (trainable_after, list(new_non_trainable), optimizer_after,
+                 list(metrics_after), window)
+        if self.raises:
+            errors = {field: window[field] for field in ERROR_FIELDS}
+            before = (trainable, list(non_trainable), list(optimizer_variables),
+                      list(metrics_variables), dict(entry, **errors))
+            after = jax.tree_util.tree_map(
+                lambda new, old: jnp.where(failed, old, new), after, before
+            )
+        return (logs, *self.held(after, trainable, non_trainable, optimizer_variables,
+                                 metrics_variables, entry, epoch_step))
+
+    def accumulate(self, trainable, non_trainable, optimizer_variables,
+                   metrics_variables, ours, x, y, sample_weight):
+        """One micro-batch's gradient added to the window `ours` (unless it is
+        skipped or has an error). Returns the window, the optimizer's variables (a
+        loss scale reacts), the forward pass's non-trainable and metric variables,
+        the unscaled loss, the predictions, the micro-batch's weight and its error
+        code (0: none)."""
         model = self.model
         options = self.options
         mean = options.reduction == "mean"
         ours = dict(ours)
-        # The state as the micro-batch found it, and whether an earlier one of the
-        # same compiled call had an error.
-        entry = dict(ours)
-        halted = ours["error"] > 0
 
         def objective(trainable, non_trainable, metrics_variables):
             self.normalizers.take()
@@ -171,58 +288,37 @@ class TrainStep:
         # accumulated and closes no window (fit raises after the call).
         accept = accept & (error == 0)
 
-        sums = [ours[f"accumulator_{i}"] for i in range(len(trainable))]
         weight = weight.astype(ours["total_weight"].dtype)
-        added = [
-            jnp.where(accept, total + g.astype(total.dtype), total)
-            for total, g in zip(sums, gradients)
-        ]
-        total_weight = ours["total_weight"] + jnp.where(accept, weight, 0)
-        micro_step = ours["micro_step"] + accept.astype("int32")
-        window_skipped = ours["window_skipped"] + (~accept).astype("int32")
+        for i, g in enumerate(gradients):
+            total = ours[f"accumulator_{i}"]
+            ours[f"accumulator_{i}"] = jnp.where(accept, total + g.astype(total.dtype), total)
+        ours["total_weight"] = ours["total_weight"] + jnp.where(accept, weight, 0)
+        ours["micro_step"] = ours["micro_step"] + accept.astype("int32")
+        ours["window_skipped"] = ours["window_skipped"] + (~accept).astype("int32")
         ours["skipped"] = ours["skipped"] + (~accept).astype("int32")
-        epoch_step = ours["epoch_step"] + 1
-        length = micro_step + window_skipped
-        if options.window.steps is not None:
-            due = length >= ours["window_steps"]
-        else:
-            due = total_weight >= options.window.weight_per_update
-        end = (ours["epoch_length"] > 0) & (epoch_step >= ours["epoch_length"])
-        partial = options.partial
-        close = (due | end if partial != "carry" else due) & (error == 0)
-        apply = close & (micro_step > 0) & ((partial != "drop") | due)
+        return (ours, optimizer_variables, new_non_trainable, new_metrics, unscaled_loss,
+                y_pred, weight, error)
 
-        window = dict(ours, micro_step=micro_step, window_skipped=window_skipped,
-                      total_weight=total_weight)
-        for i, total in enumerate(added):
-            window[f"accumulator_{i}"] = total
-        trainable_after, optimizer_after, window = self.close(
-            trainable, optimizer_variables, window, apply, close
+    def held(self, after, trainable, non_trainable, optimizer_variables,
+             metrics_variables, entry, epoch_step):
+        """The step's result, or the state it found where the batch changes nothing
+        but the epoch's position: a restored run's batch already trained on
+        (BackupAndRestore inside an epoch), or after an error (the rest of a
+        compiled call of several batches, before fit raises: nothing at all)."""
+        if not (self.resumable or self.raises):
+            return after
+        halted = entry["error"] > 0
+        hold = (entry["resume_skip"] > 0) | halted
+        before = (list(trainable), list(non_trainable), list(optimizer_variables),
+                  list(metrics_variables),
+                  dict(entry, epoch_step=jnp.where(halted, entry["epoch_step"], epoch_step)))
+        after = jax.tree_util.tree_map(
+            lambda new, old: jnp.where(hold, old, new), after, before
         )
-        window["epoch_step"] = epoch_step
-        logs, metrics_after = self.update_metrics(
-            new_metrics, unscaled_loss, x, y, y_pred, sample_weight, weight
+        after[4]["resume_skip"] = jnp.where(
+            halted, entry["resume_skip"], jnp.maximum(entry["resume_skip"] - 1, 0)
         )
-        after = (trainable_after, list(new_non_trainable), optimizer_after,
-                 list(metrics_after), window)
-        if self.resumable or self.raises:
-            # A restored run's micro-batch already trained on (BackupAndRestore
-            # inside an epoch): nothing changes but the epoch's position. After an
-            # error (the rest of a compiled call of several micro-batches, before fit
-            # raises): nothing changes at all.
-            resuming = ours["resume_skip"] > 0
-            hold = resuming | halted
-            before = (list(trainable), list(non_trainable), list(optimizer_variables),
-                      list(metrics_variables),
-                      dict(entry, epoch_step=jnp.where(halted, entry["epoch_step"],
-                                                        epoch_step)))
-            after = jax.tree_util.tree_map(
-                lambda new, old: jnp.where(hold, old, new), after, before
-            )
-            after[4]["resume_skip"] = jnp.where(
-                halted, ours["resume_skip"], jnp.maximum(ours["resume_skip"] - 1, 0)
-            )
-        return (logs, *after)
+        return after
 
     # Pieces -------------------------------------------------------------------------
 
@@ -345,14 +441,17 @@ class TrainStep:
             window[field] = jnp.where(close, jnp.zeros_like(window[field]), window[field])
         return trainable, optimizer_variables, window
 
-    def update_metrics(self, metrics_variables, loss, x, y, y_pred, sample_weight, weight):
-        """The loss tracker (weighted by the micro-batch's weight, so the epoch's
-        loss is the window's) and the compiled metrics, as Keras's step updates them."""
+    def stateless_metrics(self, metrics_variables, loss, weight, compute):
+        """Runs `compute` (the compiled metrics' update, or reading them) on the
+        metric variables given, after adding `loss` with `weight` to the loss
+        tracker (unless `loss` is None), as Keras's step does. Returns its result
+        and the updated metric variables."""
         model = self.model
         mapping = list(zip(model.metrics_variables, metrics_variables))
         with keras.StatelessScope(state_mapping=mapping) as scope:
-            kc.loss_tracker(model).update_state(loss, sample_weight=weight)
-            logs = model.compute_metrics(x, y, y_pred, sample_weight)
+            if loss is not None:
+                kc.loss_tracker(model).update_state(loss, sample_weight=weight)
+            logs = compute()
         updated = []
         for ref, value in zip(model.metrics_variables, metrics_variables):
             new = scope.get_current_value(ref)
@@ -404,3 +503,24 @@ class TrainStep:
 
 # The log entry that carries the step's error to fit's hook (which removes it).
 ERROR_KEY = "_gradaccum_error"
+# The fields that record an error (kept when a split batch's error undoes it).
+ERROR_FIELDS = ("error", "error_at", "error_micro_batch", "micro_batches")
+
+
+def batch_size(data) -> int:
+    """The (static) number of samples in a batch to split: the first dimension its
+    arrays agree on."""
+    leaves = jax.tree_util.tree_leaves(data)
+    if not leaves or any(len(t.shape) == 0 for t in leaves):
+        raise ValueError(
+            "A batch to split into micro-batches must hold arrays with a batch "
+            f"dimension. Received: arrays of shapes {[tuple(t.shape) for t in leaves]}"
+        )
+    check_batch_dimensions([t.shape[0] for t in leaves], [t.shape for t in leaves])
+    return int(leaves[0].shape[0])
+
+
+def cut(data, start: int, stop: int):
+    """Samples `start:stop` of every array of the batch (nested inputs, targets and
+    sample weights alike)."""
+    return jax.tree_util.tree_map(lambda t: t[start:stop], data)

@@ -25,7 +25,6 @@ from gradaccum.backends.tensorflow import keras_compat as kc
 from gradaccum.backends.tensorflow import logs as _logs
 from gradaccum.backends.tensorflow import resume
 from gradaccum.backends.tensorflow import retry as _retry
-from gradaccum.backends.tensorflow import split as _split
 from gradaccum.backends.tensorflow import window as _window
 from gradaccum.backends.tensorflow.accumulator import GradientAccumulator
 from gradaccum.backends.tensorflow.distributed import (
@@ -37,6 +36,7 @@ from gradaccum.backends.tensorflow.hook import EpochHook
 from gradaccum.backends.tensorflow.own_step import OwnStep
 from gradaccum.backends.tensorflow.split_step import split_step
 from gradaccum.backends.tensorflow.state import FitState, Untracked
+from gradaccum.core.auto_size import AutoSize
 from gradaccum.core.options import Options as CoreOptions
 from gradaccum.weighting import NormalizerLog
 
@@ -97,7 +97,7 @@ class Accumulation:
         # and the search of micro_batch_size="auto".
         self.micro_batch_jit = False
         self.auto_size = (
-            _split.AutoSize(options.max_micro_batch_size) if options.auto else None
+            AutoSize(options.max_micro_batch_size) if options.auto else None
         )
         self._verbose = 0
         self._announced = None
@@ -121,23 +121,8 @@ class Accumulation:
         return self.options.micro_batch_size
 
     def size_chosen(self) -> None:
-        """`"auto"` ran a batch: the host's `micro_batch_size` follows the search,
-        which says once (when `fit` is verbose) where it settled."""
-        search = self.auto_size
-        self.host.__dict__["micro_batch_size"] = search.chosen
-        # Said when a size that ran out of memory decided it (and again if the
-        # search later settles elsewhere); without a failure nothing is split.
-        if search.settled and search.fails is not None and self._announced != search.chosen:
-            self._announced = search.chosen
-            if self._verbose:
-                failed = ", ".join(str(size) for size in search.failures)
-                reason = f" ({failed} ran out of memory)" if failed else ""
-                # On a line of its own, after the progress bar's.
-                start = "\n" if self._verbose in (1, "auto") else ""
-                print(
-                    f'{start}gradaccum: micro_batch_size="auto" settled on '
-                    f"{search.chosen} samples per micro-batch{reason}."
-                )
+        """`"auto"` ran a batch (see `_fit_common.size_chosen`)."""
+        _fit_common.size_chosen(self)
 
     def make_train_function(self, make, force=False):
         """Makes the host's train function with Keras's `make` (its own

@@ -8,7 +8,7 @@ small non-trainable variables (batch normalization statistics, random seeds) and
 gradaccum's counters; the window is empty when a batch starts (split mode applies
 at the end of every batch). A step that fails for memory before it reached its
 update is rolled back to those values and run again with the next size of the
-search (`_split.AutoSize`); one that failed while applying its update cannot be
+search (`gradaccum.core.auto_size.AutoSize`); one that failed while applying its update cannot be
 retried (the optimizer may have changed) and raises.
 """
 

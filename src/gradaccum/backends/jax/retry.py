@@ -1,0 +1,95 @@
+"""`micro_batch_size="auto"` on JAX: a batch whose step runs out of memory runs again
+with smaller micro-batches, and the failed attempt leaves no trace.
+
+The micro-batch size is static on JAX (each size is its own compiled step, made once
+and kept), and the step is a pure function of the trainer's state: a failed call
+returns nothing, so retrying is calling the next size's step on the same state and
+batch. What can end the retries is donation: Keras's step donates the state's
+buffers to the call, and an out-of-memory error raised after the call consumed them
+leaves nothing to retry with; it is raised with a note saying so.
+"""
+
+from __future__ import annotations
+
+import jax
+import keras
+
+from gradaccum.backends.jax.step import batch_size
+
+RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+
+
+def compiled(host, step):
+    """`step(state, data)` compiled as Keras compiles a model's train step: jitted
+    with the state donated and laid out as the distribution lays it out (eager
+    where the model runs eagerly)."""
+    if host.run_eagerly or not host.jit_compile:
+        return step
+    out_shardings = None
+    if keras.distribution.distribution() is not None:
+        out_shardings = (None, host._get_state_sharding_spec())
+    return jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
+
+
+def retrying(accumulation, step_of_size):
+    """The step `fit` calls once per batch: the batch through
+    `step_of_size(size)` with the size `accumulation.auto_size` says, smaller after
+    an out-of-memory error."""
+    search = accumulation.auto_size
+
+    def step(state, data):
+        batch = max(batch_size(data), 1)
+        while True:
+            size = min(search.size_for(batch), batch)
+            try:
+                logs, new_state = step_of_size(size)(state, data)
+                # An out-of-memory error of the computation surfaces here at the
+                # latest, while the batch can still be retried.
+                jax.block_until_ready(logs)
+            except Exception as error:
+                retried = (isinstance(error, jax.errors.JaxRuntimeError)
+                           and RESOURCE_EXHAUSTED in str(error))
+                if not retried or size <= 1:
+                    hand_back(accumulation.host, state)
+                if not retried:
+                    raise
+                if consumed(state):
+                    error.add_note(
+                        "gradaccum: micro_batch_size='auto' cannot retry this batch: "
+                        "the failed step had consumed the training state (donated "
+                        "buffers). Give a fixed `micro_batch_size` that fits."
+                    )
+                    raise
+                if size <= 1:
+                    error.add_note(
+                        "gradaccum: micro_batch_size='auto' ran out of memory with "
+                        "micro-batches of 1 sample."
+                    )
+                    raise
+                search.failed(size)
+                continue
+            search.ran(size)
+            accumulation.size_chosen()
+            return dict(logs, micro_batch_size=float(search.chosen)), new_state
+
+    return step
+
+
+def hand_back(host, state) -> None:
+    """Before an error leaves `fit`: the state the failed call received becomes the
+    model's again (Keras syncs the last step's result, which the first batch of a
+    fit does not have, into the model's variables as `fit` ends)."""
+    if consumed(state):
+        return
+    names = ("trainable_variables", "non_trainable_variables", "optimizer_variables",
+             "metrics_variables")
+    host._jax_state = dict(zip(names, state))
+    host._jax_state_synced = False
+
+
+def consumed(state) -> bool:
+    """Whether a failed call deleted any of the state's (donated) arrays."""
+    return any(
+        getattr(leaf, "is_deleted", lambda: False)()
+        for leaf in jax.tree_util.tree_leaves(state)
+    )
