@@ -106,6 +106,9 @@ FEATURES = {
         "test_batches_of_40_split_equal_plain_fit_at_40_with_adam_for_3_epochs",
     'JAX: micro_batch_size="auto"':
         "jax_backend/test_jax_split.py::test_auto_halves_until_a_size_runs_and_equals_plain_fit",
+    "JAX: keras.distribution DataParallel and ModelParallel (2 devices, a child process)":
+        "jax_backend/test_jax_distribution.py::"
+        "test_data_and_model_parallel_on_two_devices_equal_one_device",
 }
 
 SLOW = [
@@ -140,6 +143,8 @@ SLOW = [
     "test_mixed_float16_with_loss_scaling_equals_plain_fit_under_the_policy",
     "jax_backend/test_jax_split.py::test_auto_with_a_cap_and_a_batch_that_fits",
     "jax_backend/test_jax_split.py::test_auto_other_errors_are_not_retried",
+    "jax_backend/test_jax_distribution.py::"
+    "test_data_and_model_parallel_on_four_devices_equal_one_device",
     # Child processes that start TensorFlow, several times each.
     "test_faults.py",
     "test_install.py",
@@ -219,6 +224,7 @@ HUB = [
 ]
 
 MULTI_DEVICE = [
+    "jax_backend/test_jax_distribution.py",
     "test_replicas.py",
     "test_distribute.py",
     "test_accumulate_hub.py::test_gpt2_task_on_two_replicas_equals_the_task_trained_on_the_windows",
@@ -230,6 +236,7 @@ MULTI_DEVICE = [
 ]
 
 SUBPROCESS = [
+    "jax_backend/test_jax_distribution.py",
     "test_faults.py",
     "test_install.py",
     "test_distribute.py::test_multi_worker_mirrored_two_processes_equal_a_single_process",

@@ -18,6 +18,9 @@ class AutoSize:
 
     def __init__(self, cap: int | None = None):
         self.cap = cap
+        # Every size tried is a multiple of this (the devices a batch is sharded
+        # over, each taking an equal part of every micro-batch).
+        self.granule = 1
         self.fits: int | None = None
         self.fails: int | None = None
         self.failures: list[int] = []
@@ -27,12 +30,15 @@ class AutoSize:
         top = batch if self.cap is None else min(self.cap, batch)
         top = max(1, top)
         if self.fails is None:
-            return top
-        if self.fits is None:
-            return max(1, min(top, (self.fails + 1) // 2))
-        if self.fails - self.fits > 1:
-            return max(1, min(top, (self.fits + self.fails) // 2))
-        return max(1, min(top, self.fits))
+            size = top
+        elif self.fits is None:
+            size = min(top, (self.fails + 1) // 2)
+        elif self.fails - self.fits > self.granule:
+            size = min(top, (self.fits + self.fails) // 2)
+        else:
+            size = min(top, self.fits)
+        granule = self.granule
+        return max(granule, size // granule * granule)
 
     def failed(self, size: int) -> None:
         """`size` ran out of memory."""
@@ -53,7 +59,9 @@ class AutoSize:
     def settled(self) -> bool:
         """Whether the search is over: no size failed, or the largest size that ran
         is one below the smallest that failed."""
-        return self.fits is not None and (self.fails is None or self.fails - self.fits <= 1)
+        return self.fits is not None and (
+            self.fails is None or self.fails - self.fits <= self.granule
+        )
 
     @property
     def chosen(self) -> int | None:

@@ -18,7 +18,7 @@ import numpy as np
 from gradaccum import _fit_common
 from gradaccum import _keras_common as kc
 from gradaccum.backends.jax import retry
-from gradaccum.backends.jax.state import AccumulationState
+from gradaccum.backends.jax.state import AccumulationState, layouts_of
 from gradaccum.backends.jax.step import ERROR_KEY, TrainStep
 from gradaccum.core.auto_size import AutoSize
 from gradaccum.core.options import Options as CoreOptions
@@ -157,7 +157,8 @@ class Accumulation:
         terms = max(0, kc.count_compiled_losses(kc.compiled_loss(host)) - 1)
         self._variables = list(host.trainable_variables)
         self.state = AccumulationState(
-            self._variables, self.options.accumulator_dtype, terms=terms
+            self._variables, self.options.accumulator_dtype, terms=terms,
+            layouts=layouts_of(self._variables),
         )
         kc.model_metrics(host).append(self.state)
         self._restore_pending()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import keras
 
-from gradaccum.backends.jax.step import batch_size
+from gradaccum.backends.jax.step import Shards, batch_size
 
 RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
 
@@ -39,6 +39,8 @@ def retrying(accumulation, step_of_size):
 
     def step(state, data):
         batch = max(batch_size(data), 1)
+        # Under a keras.distribution every size is a multiple of the data's shards.
+        search.granule = Shards.of_batch().count
         while True:
             size = min(search.size_for(batch), batch)
             try:
@@ -49,7 +51,7 @@ def retrying(accumulation, step_of_size):
             except Exception as error:
                 retried = (isinstance(error, jax.errors.JaxRuntimeError)
                            and RESOURCE_EXHAUSTED in str(error))
-                if not retried or size <= 1:
+                if not retried or size <= search.granule:
                     hand_back(accumulation.host, state)
                 if not retried:
                     raise
@@ -60,10 +62,10 @@ def retrying(accumulation, step_of_size):
                         "buffers). Give a fixed `micro_batch_size` that fits."
                     )
                     raise
-                if size <= 1:
+                if size <= search.granule:
                     error.add_note(
                         "gradaccum: micro_batch_size='auto' ran out of memory with "
-                        "micro-batches of 1 sample."
+                        f"micro-batches of {size} sample{'s' if size > 1 else ''}."
                     )
                     raise
                 search.failed(size)

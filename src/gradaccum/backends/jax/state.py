@@ -61,14 +61,14 @@ class AccumulationState(keras.metrics.Metric):
     # What `error` holds.
     ERRORS = {"nonfinite": 1, "negative_weight": 2, "schedule": 3}
 
-    def __init__(self, variables, accumulator_dtype="float32", terms=0):
+    def __init__(self, variables, accumulator_dtype="float32", terms=0, layouts=None):
         super().__init__(name="gradaccum_state")
+        # Under a keras.distribution each accumulator is laid out as its variable
+        # (sharded like it, never whole on one device) and every field replicated.
+        layouts = layouts or [None] * len(variables)
         self.accumulators = [
-            self.add_variable(
-                shape=tuple(v.shape), initializer="zeros", dtype=accumulator_dtype,
-                name=f"accumulator_{i}",
-            )
-            for i, v in enumerate(variables)
+            self._add(tuple(v.shape), "zeros", accumulator_dtype, f"accumulator_{i}", layout)
+            for i, (v, layout) in enumerate(zip(variables, layouts))
         ]
         weight_dtype = "float64" if accumulator_dtype == "float64" else "float32"
         for field in self.FIELDS:
@@ -80,9 +80,25 @@ class AccumulationState(keras.metrics.Metric):
             elif field == "inexact":
                 dtype = "bool"
             initializer = "zeros" if field != "epoch_length" else keras.initializers.Constant(-1)
-            setattr(self, field, self.add_variable(
-                shape=shape, initializer=initializer, dtype=dtype, name=field
-            ))
+            setattr(self, field, self._add(shape, initializer, dtype, field, replicated(shape)))
+
+    def _add(self, shape, initializer, dtype, name, layout):
+        """A variable of the state, with `layout` (None: the distribution's, if any)."""
+        if layout is None:
+            return self.add_variable(shape=shape, initializer=initializer, dtype=dtype,
+                                     name=name)
+        with keras.name_scope(self.name, caller=self):
+            variable = keras.Variable(
+                initializer=keras.initializers.get(initializer), shape=shape, dtype=dtype,
+                trainable=False, aggregation="sum", synchronization="on_read", name=name,
+                layout=layout,
+            )
+        self._tracker.add_to_store("variables", variable)
+        return variable
+
+    def shardings(self) -> dict:
+        """Each variable's sharding (where its value lives), by `named()`'s name."""
+        return {name: v.value.sharding for name, v in self.named().items()}
 
     def named(self) -> dict:
         """Every variable under its stable name (`accumulator_<i>` and the fields)."""
@@ -101,3 +117,51 @@ class AccumulationState(keras.metrics.Metric):
 
     def reset_state(self):
         pass
+
+
+def replicated(shape):
+    """A whole copy on every device of the distribution's mesh (None without one)."""
+    distribution = keras.distribution.distribution()
+    if distribution is None:
+        return None
+    return keras.distribution.TensorLayout([None] * len(shape), distribution.device_mesh)
+
+
+def layouts_of(variables) -> list:
+    """The layout of each variable's accumulator under the distribution: the
+    variable's own, else the one the distribution gives its path; checked to fit it."""
+    distribution = keras.distribution.distribution()
+    if distribution is None:
+        return [None] * len(variables)
+    layouts = []
+    for variable in variables:
+        layout = getattr(variable, "_layout", None) or distribution.get_variable_layout(variable)
+        check_layout(layout, variable)
+        layouts.append(layout)
+    return layouts
+
+
+def check_layout(layout, variable) -> None:
+    """A layout fits a variable: one mesh axis name (or None) per dimension, each
+    sharded dimension divisible by the size of its axes."""
+    axes = tuple(getattr(layout, "axes", ()))
+    mesh = getattr(layout, "device_mesh", None)
+    shape = tuple(variable.shape)
+    fits = len(axes) == len(shape)
+    if fits and mesh is not None:
+        sizes = dict(zip(mesh.axis_names, mesh.shape))
+        for dim, axis in zip(shape, axes):
+            names = () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
+            parts = 1
+            for name in names:
+                parts *= sizes.get(name, 0)
+            if parts == 0 or dim % parts:
+                fits = False
+    if not fits:
+        raise ValueError(
+            "The layout of a trainable variable must fit it for its accumulator to "
+            "take that layout: one mesh axis name (or None) per dimension, each sharded "
+            "dimension divisible by its axes' size. Received: layout "
+            f"{axes} on mesh {dict(zip(mesh.axis_names, mesh.shape)) if mesh else None} "
+            f"for variable {variable.path!r} of shape {shape}"
+        )

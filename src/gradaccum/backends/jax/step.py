@@ -148,12 +148,22 @@ class TrainStep:
                     metrics_variables, ours, data, size):
         """Split mode: the batch is the window, cut into micro-batches of `size`
         samples run one at a time (a `lax.scan` over the whole ones, then the
-        shorter last one if the batch leaves one), and applied once."""
+        shorter last one if the batch leaves one), and applied once. Under a
+        keras.distribution each micro-batch takes an equal part of every data
+        shard (`Shards`), so that each device computes on its own samples."""
         ours = dict(ours)
         entry = dict(ours)
         halted = ours["error"] > 0
         batch = batch_size(data)
-        whole, rest = divmod(batch, size)
+        shards = Shards.of_batch(size)
+        if batch % shards.count:
+            raise ValueError(
+                "A batch split into micro-batches under a keras.distribution must hold "
+                "a multiple of the number of devices it is sharded over. Received: a "
+                f"batch of {batch} samples sharded over {shards.count} devices"
+            )
+        part = size // shards.count
+        whole, rest = divmod(batch // shards.count, part)
         trainable = list(trainable)
 
         def run(carry, micro):
@@ -175,16 +185,13 @@ class TrainStep:
         zero = jnp.zeros((), "float32")
         carry = (list(non_trainable), list(optimizer_variables), list(metrics_variables),
                  ours, zero, zero)
+        stacked, tail = shards.cut(data, whole, part, rest)
         if whole == 1:
-            carry, _ = run(carry, cut(data, 0, size))
+            carry, _ = run(carry, jax.tree_util.tree_map(lambda t: t[0], stacked))
         elif whole > 1:
-            stacked = jax.tree_util.tree_map(
-                lambda t: t[: whole * size].reshape((whole, size) + tuple(t.shape[1:])),
-                data,
-            )
             carry, _ = jax.lax.scan(run, carry, stacked)
         if rest:
-            carry, _ = run(carry, cut(data, whole * size, batch))
+            carry, _ = run(carry, tail)
         (new_non_trainable, new_optimizer, new_metrics, ours, weighted,
          weights) = carry
 
@@ -520,7 +527,77 @@ def batch_size(data) -> int:
     return int(leaves[0].shape[0])
 
 
-def cut(data, start: int, stop: int):
-    """Samples `start:stop` of every array of the batch (nested inputs, targets and
-    sample weights alike)."""
-    return jax.tree_util.tree_map(lambda t: t[start:stop], data)
+class Shards:
+    """How a batch is laid out across devices (keras.distribution shards its first
+    dimension over the mesh axis of the data), and the micro-batches cut from it so
+    that no sample moves: micro-batch j is the j-th run of `size / count` samples
+    of every shard, side by side. Without a distribution there is one shard and the
+    micro-batches are consecutive. Exact weighting makes an update independent of
+    which samples share a micro-batch.
+
+    Args:
+        count: the number of shards of the batch.
+        axis: the mesh axis (or axes) the batch is sharded over, None for one shard.
+        mesh: the JAX mesh, None for one shard.
+    """
+
+    def __init__(self, count=1, axis=None, mesh=None):
+        self.count, self.axis, self.mesh = count, axis, mesh
+
+    @classmethod
+    def of_batch(cls, size=None) -> Shards:
+        """The shards of the current distribution's batches; a micro-batch `size`
+        must split evenly over them."""
+        distribution = keras.distribution.distribution()
+        if distribution is None:
+            return cls()
+        layout = distribution.get_data_layout((1,))
+        axis = layout.axes[0]
+        if axis is None:
+            return cls()
+        mesh = layout.device_mesh
+        sizes = dict(zip(mesh.axis_names, mesh.shape))
+        count = 1
+        for name in (axis,) if isinstance(axis, str) else tuple(axis):
+            count *= sizes[name]
+        if size is not None and size % count:
+            raise ValueError(
+                "`micro_batch_size` must be a multiple of the number of devices the "
+                "batch is sharded over, so that each micro-batch takes an equal part "
+                f"of every shard. Received: micro_batch_size={size} with batches "
+                f"sharded over {count} devices (mesh axis {axis!r} of "
+                f"{type(distribution).__name__})"
+            )
+        return cls(count, axis, mesh.backend_mesh)
+
+    def cut(self, data, whole: int, part: int, rest: int):
+        """The batch as `whole` micro-batches of `part` samples per shard, stacked
+        on a new first dimension, and the shorter last one of `rest` samples per
+        shard (None where there is none)."""
+        count = self.count
+
+        def shards(t):
+            return t.reshape((count, t.shape[0] // count) + tuple(t.shape[1:]))
+
+        def stacked(t):
+            sample = tuple(t.shape[1:])
+            body = shards(t)[:, : whole * part].reshape((count, whole, part) + sample)
+            body = jnp.moveaxis(body, 0, 1).reshape((whole, count * part) + sample)
+            return self.constrain(body, 1)
+
+        def tail(t):
+            last = shards(t)[:, whole * part:]
+            return self.constrain(last.reshape((count * rest,) + tuple(t.shape[1:])), 0)
+
+        body = jax.tree_util.tree_map(stacked, data) if whole else None
+        last = jax.tree_util.tree_map(tail, data) if rest else None
+        return body, last
+
+    def constrain(self, array, dimension: int):
+        """`array` sharded over the data's axis on `dimension` (the samples)."""
+        if self.mesh is None:
+            return array
+        spec = [None] * array.ndim
+        spec[dimension] = self.axis
+        sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(*spec))
+        return jax.lax.with_sharding_constraint(array, sharding)

@@ -1,0 +1,192 @@
+"""gradaccum under keras.distribution on N virtual CPU devices, for
+tests/jax_backend/test_jax_distribution.py (JAX fixes its devices per process).
+
+    KERAS_BACKEND=jax python tests/jax_backend/distribution_job.py --devices N
+
+Each case trains a model with `accumulate` under a distribution (`DataParallel` over
+the N devices, or `ModelParallel` on an (N/2, 2) mesh whose LayoutMap shards kernels
+and embeddings on the "model" axis), and the same model with the same options on one
+device; it reports the largest gap between their weights and optimizer variables, and
+each accumulator's sharding beside its variable's. The last line printed is the
+JSON of the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--devices", type=int, required=True)
+args = parser.parse_args()
+os.environ["KERAS_BACKEND"] = "jax"
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
+)
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import jax  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import gradaccum  # noqa: E402
+from gradaccum.attach import accumulation_of  # noqa: E402
+
+SCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def mlp(seed=0, name=None):
+    model = keras.Sequential([
+        keras.Input((6,)),
+        keras.layers.Dense(8, activation="tanh", name="dense_a"),
+        keras.layers.Dense(4, name="dense_b"),
+    ], name=name)
+    rng = np.random.default_rng(seed)
+    model.set_weights([rng.normal(0, 0.5, w.shape).astype(w.dtype) for w in model.get_weights()])
+    return model
+
+
+def tokens(seed=0):
+    """Masked token sequences: an embedding (sharded on its features), a per-token
+    loss over the unmasked positions."""
+    inputs = keras.Input((5,), dtype="int32")
+    h = keras.layers.Embedding(16, 8, mask_zero=True, name="embedding")(inputs)
+    h = keras.layers.Dense(8, activation="tanh", name="dense_a")(h)
+    model = keras.Model(inputs, keras.layers.Dense(4, name="dense_b")(h))
+    rng = np.random.default_rng(seed)
+    model.set_weights([rng.normal(0, 0.5, w.shape).astype(w.dtype) for w in model.get_weights()])
+    return model
+
+
+MODELS = {"mlp": mlp, "tokens": tokens}
+
+
+def data(model_name, n=48):
+    rng = np.random.default_rng(1)
+    if model_name == "mlp":
+        return (rng.normal(size=(n, 6)).astype("float32"),
+                rng.integers(0, 4, size=(n,)).astype("int32"))
+    lengths = rng.integers(1, 6, size=n)
+    x = np.zeros((n, 5), "int32")
+    for i, length in enumerate(lengths):
+        x[i, :length] = rng.integers(1, 16, size=length)
+    return x, rng.integers(0, 4, size=(n, 5)).astype("int32")
+
+
+def distribution(kind):
+    devices = jax.devices()
+    if kind == "data_parallel":
+        return keras.distribution.DataParallel(devices=devices)
+    mesh = keras.distribution.DeviceMesh((len(devices) // 2, 2), ["batch", "model"], devices)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*dense.*kernel"] = (None, "model")
+    layout_map[".*dense.*bias"] = ("model",)
+    layout_map[".*embedding.*embeddings"] = (None, "model")
+    return keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+
+
+def train(model_name, options, kind=None):
+    keras.distribution.set_distribution(None if kind is None else distribution(kind))
+    try:
+        model = gradaccum.accumulate(MODELS[model_name](), **options)
+        model.compile(keras.optimizers.Adam(0.01), SCE)
+        x, y = data(model_name)
+        # Split mode: batches of 12 as micro-batches of 8 and a shorter last one,
+        # each taking an equal part of every data shard.
+        batch = 12 if "micro_batch_size" in options else 8
+        history = model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+        state = accumulation_of(model).state
+        shardings = {
+            v.path: {
+                "shape": list(v.shape),
+                "variable": str(getattr(v.value.sharding, "spec", None)),
+                "accumulator": str(getattr(acc.value.sharding, "spec", None)),
+                "variable_shard": list(v.value.sharding.shard_shape(v.shape)),
+                "accumulator_shard": list(acc.value.sharding.shard_shape(acc.shape)),
+                "devices": len(acc.value.sharding.device_set),
+            }
+            for v, acc in zip(model.trainable_variables, state.accumulators)
+        }
+        return model, history, shardings
+    finally:
+        keras.distribution.set_distribution(None)
+
+
+def gap(a, b):
+    weights = max(float(np.max(np.abs(u - v))) for u, v in zip(a.get_weights(), b.get_weights()))
+    optimizer = max(
+        float(np.max(np.abs(np.asarray(u) - np.asarray(v))))
+        for u, v in zip(a.optimizer.variables, b.optimizer.variables)
+    )
+    return max(weights, optimizer)
+
+
+def misfit_layout() -> str:
+    """A model built on one device, then trained under a LayoutMap that shards a
+    4-wide kernel dimension over 3 devices: the accumulator cannot take it."""
+    model = gradaccum.accumulate(mlp(name="built_on_one_device"), steps=2)
+    model.compile(keras.optimizers.Adam(0.01), SCE)
+    devices = jax.devices()[:3]
+    mesh = keras.distribution.DeviceMesh((1, 3), ["batch", "model"], devices)
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*dense_b.*kernel"] = (None, "model")
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
+    )
+    try:
+        x, y = data("mlp")
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    except ValueError as error:
+        return str(error)
+    finally:
+        keras.distribution.set_distribution(None)
+    return "no error"
+
+
+def indivisible_micro_batch() -> str:
+    """Split mode with micro-batches of 3 over batches sharded on all devices."""
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()))
+    try:
+        model = gradaccum.accumulate(mlp(), micro_batch_size=3)
+        model.compile(keras.optimizers.Adam(0.01), SCE)
+        x, y = data("mlp")
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    except ValueError as error:
+        return str(error)
+    finally:
+        keras.distribution.set_distribution(None)
+    return "no error"
+
+
+def main():
+    results = {"devices": len(jax.devices()), "cases": []}
+    for model_name in MODELS:
+        for options in ({"steps": 3}, {"micro_batch_size": 8}):
+            reference, expected, _ = train(model_name, options)
+            for kind in ("data_parallel", "model_parallel"):
+                model, history, shardings = train(model_name, options, kind)
+                results["cases"].append({
+                    "model": model_name, "options": options, "kind": kind,
+                    "gap": gap(model, reference),
+                    # How far training moved the weights (the gap is measured
+                    # against this).
+                    "moved": float(max(
+                        np.max(np.abs(u - v)) for u, v in
+                        zip(model.get_weights(), MODELS[model_name]().get_weights())
+                    )),
+                    "loss_gap": float(np.max(np.abs(
+                        np.asarray(history.history["loss"]) - expected.history["loss"]
+                    ))),
+                    "updates": history.history["updates"],
+                    "shardings": shardings,
+                })
+    if len(jax.devices()) >= 3:
+        results["misfit"] = misfit_layout()
+        results["indivisible"] = indivisible_micro_batch()
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
