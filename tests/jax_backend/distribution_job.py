@@ -1,7 +1,8 @@
 """gradaccum under keras.distribution on N virtual CPU devices, for
 tests/jax_backend/test_jax_distribution.py (JAX fixes its devices per process).
 
-    KERAS_BACKEND=jax python tests/jax_backend/distribution_job.py --devices N
+    KERAS_BACKEND=jax XLA_FLAGS=--xla_force_host_platform_device_count=N \
+        python tests/jax_backend/distribution_job.py
 
 Each case trains a model with `accumulate` under a distribution (`DataParallel` over
 the N devices, or `ModelParallel` on an (N/2, 2) mesh whose LayoutMap shards kernels
@@ -13,26 +14,15 @@ JSON of the results.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--devices", type=int, required=True)
-args = parser.parse_args()
-os.environ["KERAS_BACKEND"] = "jax"
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
-)
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+import jax
+import keras
+import numpy as np
 
-import jax  # noqa: E402
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-
-import gradaccum  # noqa: E402
-from gradaccum.attach import accumulation_of  # noqa: E402
+import gradaccum
+from gradaccum.attach import accumulation_of
 
 SCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 

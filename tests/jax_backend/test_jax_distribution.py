@@ -25,9 +25,12 @@ CASES = [
 
 
 def run_job(devices: int) -> dict:
-    env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
+    env = dict(
+        os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    )
     done = subprocess.run(
-        [sys.executable, str(JOB), "--devices", str(devices)],
+        [sys.executable, str(JOB)],
         capture_output=True, text=True, timeout=600, env=env,
     )
     assert done.returncode == 0, done.stderr[-3000:]
