@@ -106,6 +106,9 @@ FEATURES = {
         "test_batches_of_40_split_equal_plain_fit_at_40_with_adam_for_3_epochs",
     'JAX: micro_batch_size="auto"':
         "jax_backend/test_jax_split.py::test_auto_halves_until_a_size_runs_and_equals_plain_fit",
+    "JAX: a model's own stateless train_step":
+        "jax_backend/test_jax_own_step.py::"
+        "test_the_guides_step_equals_the_class_trained_on_the_windows",
     "JAX: keras.distribution DataParallel and ModelParallel (2 devices, a child process)":
         "jax_backend/test_jax_distribution.py::"
         "test_data_and_model_parallel_on_two_devices_equal_one_device",
@@ -145,6 +148,9 @@ SLOW = [
     "jax_backend/test_jax_split.py::test_auto_other_errors_are_not_retried",
     "jax_backend/test_jax_distribution.py::"
     "test_data_and_model_parallel_on_four_devices_equal_one_device",
+    "jax_backend/test_jax_own_step.py::test_a_window_carried_across_fits_equals_the_windows",
+    "jax_backend/test_jax_own_step.py::"
+    "test_save_weights_in_the_middle_of_a_window_resumes_exactly",
     # Child processes that start TensorFlow, several times each.
     "test_faults.py",
     "test_install.py",

@@ -83,6 +83,7 @@ class Accumulation:
         self.normalizers = NormalizerLog()
         self.state: AccumulationState | None = None
         self.step: TrainStep | None = None
+        self.own_train_step = None
         self.resumable = False
         self.user_compile_config = None
         self._pending = {}
@@ -105,16 +106,17 @@ class Accumulation:
         return self.options.micro_batch_size
 
     def attach(self, host, own_step=None) -> None:
-        if own_step is not None:
+        """`own_step`: the model's own `train_step(state, data)` (None: Keras's)."""
+        if own_step is not None and self.options.split:
             raise ValueError(
-                "On Keras's JAX backend gradaccum trains models that use Keras's "
-                "default `train_step` (their own `compute_loss`, compiled loss and "
-                "metrics run unchanged). Received: model "
-                f"{host.name!r} of class {type(host).__name__} that defines its own "
-                "`train_step`: accumulate its gradients with "
-                "keras.backend.backend()='tensorflow'."
+                "On Keras's JAX backend a model's own `train_step` accumulates with "
+                "`steps` (each batch is a micro-batch); split mode runs Keras's default "
+                f"step. Received: micro_batch_size={self.options.micro_batch_size!r} "
+                f"for model {host.name!r} of class {type(host).__name__}, which defines "
+                "its own `train_step`."
             )
         self.host = host
+        self.own_train_step = own_step
 
     def replicas(self) -> int:
         return 1
@@ -220,7 +222,8 @@ class Accumulation:
     def make_train_function(self, make, force=False):
         self.ensure_state()
         if self.step is None:
-            self.step = TrainStep(self.host, self.options, self.state, self.normalizers)
+            self.step = TrainStep(self.host, self.options, self.state, self.normalizers,
+                                  own_step=self.own_train_step)
             force = True
         self.step.resumable = self.resumable
         if self.auto_size is not None:

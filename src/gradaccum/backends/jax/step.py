@@ -9,6 +9,11 @@ window closes, makes one optimizer update with the combined gradient
 (`gradaccum.core.combine`) through the optimizer's `stateless_apply` inside a
 `lax.cond`: the update's math runs only when a window closes.
 
+A model's own `train_step(state, data)` runs as written instead of Keras's loss; what
+it hands to `self.optimizer.stateless_apply` is the micro-batch's gradient. In split
+mode (`micro_batch_size`) the batch is cut into micro-batches inside the step (a
+`lax.scan`), laid out across a keras.distribution's data shards, and applied once.
+
 Under a `LossScaleOptimizer` (`mixed_float16`) the loss Keras scales is
 differentiated; each micro-batch's gradient is unscaled as it is added, an overflow
 skips the micro-batch and the scale reacts at once (halved; finite micro-batches
@@ -17,6 +22,8 @@ as on TensorFlow.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -54,10 +61,13 @@ class TrainStep:
         options: the checked `Options`.
         state: the model's `AccumulationState`.
         normalizers: the `NormalizerLog` the compiled losses record `n_i` into.
+        own_step: the model's own `train_step(state, data)`, or None (Keras's).
     """
 
-    def __init__(self, model, options, state: AccumulationState, normalizers):
+    def __init__(self, model, options, state: AccumulationState, normalizers,
+                 own_step=None):
         self.model = model
+        self.own_step = own_step
         self.options = options
         self.state = state
         self.normalizers = normalizers
@@ -97,6 +107,10 @@ class TrainStep:
             (logs, trainable, non_trainable, optimizer_variables, metrics_variables,
              ours) = self.split_batch(trainable, non_trainable, optimizer_variables,
                                       metrics_variables, ours, data, size)
+        elif self.own_step is not None:
+            (logs, trainable, non_trainable, optimizer_variables, metrics_variables,
+             ours) = self.own_micro_batch(trainable, non_trainable, optimizer_variables,
+                                          metrics_variables, ours, data)
         else:
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
             (logs, trainable, non_trainable, optimizer_variables, metrics_variables,
@@ -112,13 +126,30 @@ class TrainStep:
                     metrics_variables, ours, x, y, sample_weight):
         """`steps` mode: the batch is one micro-batch of the open window, which it
         may close."""
-        options = self.options
         ours = dict(ours)
         # The state as the micro-batch found it.
         entry = dict(ours)
         (ours, optimizer_variables, new_non_trainable, new_metrics, loss, y_pred, weight,
          error) = self.accumulate(trainable, non_trainable, optimizer_variables,
                                   metrics_variables, ours, x, y, sample_weight)
+        trainable_after, optimizer_after, window, epoch_step = self.window_end(
+            trainable, optimizer_variables, ours, error
+        )
+        logs, metrics_after = self.stateless_metrics(
+            new_metrics, loss, weight, lambda: self.model.compute_metrics(
+                x, y, y_pred, sample_weight
+            )
+        )
+        after = (trainable_after, list(new_non_trainable), optimizer_after,
+                 list(metrics_after), window)
+        return (logs, *self.held(after, trainable, non_trainable, optimizer_variables,
+                                 metrics_variables, entry, epoch_step))
+
+    def window_end(self, trainable, optimizer_variables, ours, error):
+        """After a micro-batch of `steps` mode: the window closed (and applied) if
+        its rule says so, or at the end of the epoch's data. Returns the trainable
+        and optimizer variables, the window and the epoch's position."""
+        options = self.options
         micro_step, total_weight = ours["micro_step"], ours["total_weight"]
         epoch_step = ours["epoch_step"] + 1
         length = micro_step + ours["window_skipped"]
@@ -130,19 +161,116 @@ class TrainStep:
         partial = options.partial
         close = (due | end if partial != "carry" else due) & (error == 0)
         apply = close & (micro_step > 0) & ((partial != "drop") | due)
-        trainable_after, optimizer_after, window = self.close(
+        trainable, optimizer_variables, window = self.close(
             trainable, optimizer_variables, ours, apply, close
         )
         window["epoch_step"] = epoch_step
-        logs, metrics_after = self.stateless_metrics(
-            new_metrics, loss, weight, lambda: self.model.compute_metrics(
-                x, y, y_pred, sample_weight
+        return trainable, optimizer_variables, window, epoch_step
+
+    def own_micro_batch(self, trainable, non_trainable, optimizer_variables,
+                        metrics_variables, ours, data):
+        """`steps` mode with the model's own `train_step(state, data)`: it runs as
+        written, with the gradients it hands to `self.optimizer.stateless_apply`
+        accumulated (the call returns the variables unchanged) and the window
+        applied with the optimizer when it closes."""
+        model = self.model
+        options = self.options
+        ours = dict(ours)
+        entry = dict(ours)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        theirs = [i for i in range(len(metrics_variables)) if i not in self.slots.values()]
+        handed = []
+
+        def stateless_apply(optimizer_variables, grads, trainable_variables):
+            if handed:
+                raise ValueError(
+                    "On Keras's JAX backend a model's own `train_step` must hand its "
+                    "gradients to `self.optimizer.stateless_apply` once per step for "
+                    "gradaccum to accumulate them. Received: a second call in one step "
+                    f"of {type(model).__name__}.train_step."
+                )
+            handed.append(list(grads))
+            return list(trainable_variables), list(optimizer_variables)
+
+        self.normalizers.take()
+        with self.routing(stateless_apply):
+            logs, state = self.own_step(
+                (list(trainable), list(non_trainable), list(optimizer_variables),
+                 [metrics_variables[i] for i in theirs]),
+                data,
             )
+        normalizers = self.normalizers.take()
+        if not handed:
+            raise ValueError(
+                f"The train_step of {type(model).__name__} must hand its gradients to "
+                "the model's optimizer (`self.optimizer.stateless_apply(...)`) for "
+                "gradaccum to accumulate them. Received: a step that did not call it, "
+                "so nothing would be trained."
+            )
+        trainable_out, non_trainable_out, optimizer_out, metrics_out = state
+        gradients = handed[0]
+        if len(gradients) != len(trainable):
+            raise ValueError(
+                "The gradients a model's own `train_step` hands to "
+                "`self.optimizer.stateless_apply` must be one per trainable variable of "
+                f"the model, in its order. Received: {len(gradients)} gradients for "
+                f"{len(trainable)} trainable variables."
+            )
+        weight = jax.lax.stop_gradient(
+            self.micro_batch_weight(x, y, sample_weight, normalizers)
         )
-        after = (trainable_after, list(new_non_trainable), optimizer_after,
-                 list(metrics_after), window)
-        return (logs, *self.held(after, trainable, non_trainable, optimizer_variables,
-                                 metrics_variables, entry, epoch_step))
+        if options.reduction == "mean" and not self.loss_scaled:
+            gradients = [
+                None if g is None else g * weight.astype(g.dtype) for g in gradients
+            ]
+        ours, optimizer_out, _, error = self.add(
+            ours, gradients, weight, normalizers, list(optimizer_out)
+        )
+        trainable_after, optimizer_after, window, epoch_step = self.window_end(
+            list(trainable_out), optimizer_out, ours, error
+        )
+        metrics_after = list(metrics_variables)
+        for i, value in zip(theirs, metrics_out):
+            metrics_after[i] = value
+        after = (trainable_after, list(non_trainable_out), optimizer_after, metrics_after,
+                 window)
+        return (dict(logs), *self.held(after, trainable, non_trainable, optimizer_variables,
+                                       metrics_variables, entry, epoch_step))
+
+    @contextlib.contextmanager
+    def routing(self, stateless_apply):
+        """While the model's own step runs: its optimizer's `stateless_apply` is
+        `stateless_apply`, another optimizer's refuses, and gradaccum's state is
+        not among the model's metrics (the step updates those it finds)."""
+        model = self.model
+        optimizer = model.optimizer
+        others = [
+            (name, value) for name, value in vars(model).items()
+            if isinstance(value, keras.optimizers.Optimizer) and value is not optimizer
+        ]
+
+        def refuse(name):
+            def stateless_apply(*args, **kwargs):
+                raise ValueError(
+                    "On Keras's JAX backend gradaccum accumulates what a model's own "
+                    "`train_step` hands to the model's optimizer (`self.optimizer`, whose "
+                    "variables the JAX trainer carries). Received: a call of "
+                    f"`self.{name}.stateless_apply` in {type(model).__name__}.train_step."
+                )
+            return stateless_apply
+
+        routed = [(optimizer, stateless_apply)] + [(o, refuse(n)) for n, o in others]
+        metrics = kc.model_metrics(model)
+        kept = list(metrics)
+        metrics[:] = [m for m in metrics if m is not self.state]
+        for target, function in routed:
+            target.stateless_apply = function
+        try:
+            yield
+        finally:
+            for target, _ in routed:
+                del target.stateless_apply
+            metrics[:] = kept
 
     def split_batch(self, trainable, non_trainable, optimizer_variables,
                     metrics_variables, ours, data, size):
@@ -254,6 +382,19 @@ class TrainStep:
         )(trainable, non_trainable, metrics_variables)
         unscaled_loss, y_pred, new_non_trainable, new_metrics = aux
 
+        ours, optimizer_variables, weight, error = self.add(
+            ours, gradients, weight, normalizers, optimizer_variables
+        )
+        return (ours, optimizer_variables, new_non_trainable, new_metrics, unscaled_loss,
+                y_pred, weight, error)
+
+    def add(self, ours, gradients, weight, normalizers, optimizer_variables):
+        """One micro-batch's gradients (weighted already, except under loss scaling)
+        added to the window `ours` unless skipped or in error. Returns the window, the
+        optimizer's variables (a loss scale reacts), the weight and the error code."""
+        options = self.options
+        mean = options.reduction == "mean"
+        ours = dict(ours)
         error = jnp.asarray(0, "int32")
         if callable(options.weighting):
             negative = weight < 0
@@ -303,8 +444,7 @@ class TrainStep:
         ours["micro_step"] = ours["micro_step"] + accept.astype("int32")
         ours["window_skipped"] = ours["window_skipped"] + (~accept).astype("int32")
         ours["skipped"] = ours["skipped"] + (~accept).astype("int32")
-        return (ours, optimizer_variables, new_non_trainable, new_metrics, unscaled_loss,
-                y_pred, weight, error)
+        return ours, optimizer_variables, weight, error
 
     def held(self, after, trainable, non_trainable, optimizer_variables,
              metrics_variables, entry, epoch_step):
@@ -338,7 +478,9 @@ class TrainStep:
         if callable(weighting):
             return callable_weight(weighting, x, y, sample_weight)
         if not normalizers:
-            if not self.warned_no_compiled_loss:
+            # (A model's own step with a loss of its own is weighted by size, as
+            # the contract says: nothing to warn about.)
+            if not self.warned_no_compiled_loss and self.own_step is None:
                 self.warned_no_compiled_loss = True
                 _fit_common.warn_no_compiled_loss()
             first = next(t for t in keras.tree.flatten(x) if t is not None)

@@ -1,0 +1,253 @@
+"""A model's own stateless `train_step` on JAX (issue 30), written as keras.io's JAX
+guide writes it (`jax.value_and_grad`, `self.optimizer.stateless_apply`, the metrics
+updated statelessly, the new state returned), run unchanged under `accumulate`: exact
+against the same class trained on the windows."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import keras
+import numpy as np
+import pytest
+from helpers import (
+    SCE,
+    assert_optimizer_close,
+    assert_weights_close,
+    data,
+    max_gap,
+    windows_of,
+)
+
+import gradaccum
+from gradaccum.attach import accumulation_of
+
+
+class GuideStep(keras.Model):
+    """keras.io's "Customizing what happens in fit() with JAX" step, on an MLP, with
+    the compiled loss and metrics."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, x, training=False):
+        return self.out(self.hidden(x))
+
+    def loss_and_updates(self, trainable_variables, non_trainable_variables, x, y):
+        y_pred, non_trainable_variables = self.stateless_call(
+            trainable_variables, non_trainable_variables, x, training=True
+        )
+        loss = self.compute_loss(x, y, y_pred)
+        return loss, (y_pred, non_trainable_variables)
+
+    def train_step(self, state, data):
+        trainable, non_trainable, optimizer_variables, metrics_variables = state
+        x, y = data
+        grad_fn = jax.value_and_grad(self.loss_and_updates, has_aux=True)
+        (loss, (y_pred, non_trainable)), grads = grad_fn(trainable, non_trainable, x, y)
+        trainable, optimizer_variables = self.optimizer.stateless_apply(
+            optimizer_variables, grads, trainable
+        )
+        new_metrics_variables, logs = [], {}
+        for metric in self.metrics:
+            start = len(new_metrics_variables)
+            these = metrics_variables[start:start + len(metric.variables)]
+            if metric.name == "loss":
+                these = metric.stateless_update_state(these, loss)
+            else:
+                these = metric.stateless_update_state(these, y, y_pred)
+            logs[metric.name] = metric.stateless_result(these)
+            new_metrics_variables += these
+        return logs, (trainable, non_trainable, optimizer_variables, new_metrics_variables)
+
+
+class OwnLoss(GuideStep):
+    """The same step with a loss of its own (no compiled loss): a mean over samples,
+    so gradaccum weighs each micro-batch by its size."""
+
+    def loss_and_updates(self, trainable_variables, non_trainable_variables, x, y):
+        y_pred, non_trainable_variables = self.stateless_call(
+            trainable_variables, non_trainable_variables, x, training=True
+        )
+        target = keras.ops.one_hot(y, 3)
+        loss = keras.ops.mean(keras.ops.sum(keras.ops.square(y_pred - target), axis=-1))
+        return loss, (y_pred, non_trainable_variables)
+
+    def train_step(self, state, data):
+        trainable, non_trainable, optimizer_variables, metrics_variables = state
+        x, y = data
+        grad_fn = jax.value_and_grad(self.loss_and_updates, has_aux=True)
+        (loss, (_, non_trainable)), grads = grad_fn(trainable, non_trainable, x, y)
+        trainable, optimizer_variables = self.optimizer.stateless_apply(
+            optimizer_variables, grads, trainable
+        )
+        return {"own_loss": loss}, (trainable, non_trainable, optimizer_variables,
+                                    metrics_variables)
+
+
+def make(cls=GuideStep, seed=0):
+    model = cls()
+    model(np.zeros((1, 6), "float32"))
+    rng = np.random.default_rng(seed)
+    model.set_weights([rng.normal(0, 0.5, w.shape).astype(w.dtype) for w in model.get_weights()])
+    return model
+
+
+def _compile(model, optimizer=None, **kwargs):
+    model.compile(optimizer or keras.optimizers.Adam(0.01), SCE, **kwargs)
+    return model
+
+
+def _reference(cls, windows, x, y, optimizer=None, **kwargs):
+    """The same class without gradaccum, one step per window (its own `fit` on the
+    window as one batch)."""
+    reference = _compile(make(cls), optimizer, **kwargs)
+    for index in windows:
+        reference.fit(x[index], y[index], batch_size=len(index), shuffle=False, verbose=0)
+    return reference
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd_momentum"])
+def test_the_guides_step_equals_the_class_trained_on_the_windows(name):
+    # 28 samples in micro-batches of 5 (the last of 3), steps=3: windows of 15 and
+    # 13 samples, the second one flushed at the end of the data; 2 epochs.
+    optimizers = {
+        "adam": lambda: keras.optimizers.Adam(0.01),
+        "sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+    }
+    x, y = data(28)
+    model = _compile(gradaccum.accumulate(make(), steps=3), optimizers[name](),
+                     metrics=["accuracy"])
+    history = model.fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0)
+    windows = windows_of([5, 5, 5, 5, 5, 3], [3, 3]) * 2
+    reference = _reference(GuideStep, windows, x, y, optimizers[name](),
+                           metrics=["accuracy"])
+    assert max_gap(model, make()) > 1e-2
+    assert_weights_close(model, reference)
+    assert_optimizer_close(model.optimizer, reference.optimizer)
+    assert int(model.optimizer.iterations) == 4
+    assert history.history["updates"] == [2.0, 4.0]
+    assert history.history["window_micro_batches"] == [3.0, 3.0]
+    # The step's own logs come through: its loss tracker and compiled metrics.
+    assert {"loss", "accuracy"} <= set(history.history)
+    assert np.isfinite(history.history["loss"]).all()
+
+
+def test_a_step_with_a_loss_of_its_own_is_weighted_by_micro_batch_size():
+    x, y = data(28)
+    model = _compile(gradaccum.accumulate(make(OwnLoss), steps=3), keras.optimizers.SGD(0.2))
+    history = model.fit(x, y, batch_size=5, epochs=1, shuffle=False, verbose=0)
+    reference = _reference(OwnLoss, windows_of([5, 5, 5, 5, 5, 3], [3, 3]), x, y,
+                           keras.optimizers.SGD(0.2))
+    assert_weights_close(model, reference)
+    assert "own_loss" in history.history
+    # Uniform weighting is not the windows' step with these unequal micro-batches.
+    uniform = _compile(gradaccum.accumulate(make(OwnLoss), steps=3, weighting="uniform"),
+                       keras.optimizers.SGD(0.2))
+    uniform.fit(x, y, batch_size=5, epochs=1, shuffle=False, verbose=0)
+    assert max_gap(uniform, reference) > 1e-5
+
+
+def test_a_non_finite_micro_batch_of_the_own_step_is_skipped():
+    x, y = data(30)
+    bad = x.copy()
+    bad[7, 0] = np.inf  # micro-batch 2 of window 1
+    model = _compile(gradaccum.accumulate(make(), steps=3), keras.optimizers.SGD(0.2))
+    with pytest.warns(UserWarning, match="skipped"):
+        history = model.fit(bad, y, batch_size=5, epochs=1, shuffle=False, verbose=0)
+    windows = [np.r_[0:5, 10:15], np.arange(15, 30)]
+    reference = _reference(GuideStep, windows, x, y, keras.optimizers.SGD(0.2))
+    assert_weights_close(model, reference)
+    assert history.history["skipped"] == [1.0]
+
+
+def test_save_weights_in_the_middle_of_a_window_resumes_exactly(tmp_path):
+    x, y = data(30)
+    path = str(tmp_path / "own.weights.h5")
+    first = _compile(gradaccum.accumulate(make(), steps=3, partial="carry"))
+    first.fit(x[:10], y[:10], batch_size=5, epochs=1, shuffle=False, verbose=0)
+    assert accumulation_of(first).open_micro_batches() == 2
+    first.save_weights(path)
+    second = _compile(gradaccum.accumulate(make(seed=5), steps=3, partial="carry"))
+    second.optimizer.build(second.trainable_variables)
+    second.load_weights(path)
+    assert accumulation_of(second).open_micro_batches() == 2
+    second.fit(x[10:], y[10:], batch_size=5, epochs=1, shuffle=False, verbose=0)
+    reference = _reference(GuideStep, [np.arange(0, 15), np.arange(15, 30)], x, y)
+    assert_weights_close(second, reference)
+    assert int(second.optimizer.iterations) == 2
+
+
+@pytest.fixture
+def carry_model():
+    return _compile(gradaccum.accumulate(make(), steps=3, partial="carry"))
+
+
+def test_a_window_carried_across_fits_equals_the_windows(carry_model):
+    x, y = data(30)
+    carry_model.fit(x[:10], y[:10], batch_size=5, epochs=1, shuffle=False, verbose=0)
+    assert accumulation_of(carry_model).open_micro_batches() == 2
+    carry_model.fit(x[10:], y[10:], batch_size=5, epochs=1, shuffle=False, verbose=0)
+    reference = _reference(GuideStep, [np.arange(0, 15), np.arange(15, 30)], x, y)
+    assert_weights_close(carry_model, reference)
+
+
+class NoApply(GuideStep):
+    def train_step(self, state, data):
+        return {}, state
+
+
+class TwiceApplied(GuideStep):
+    def train_step(self, state, data):
+        trainable, non_trainable, optimizer_variables, metrics_variables = state
+        x, y = data
+        grad_fn = jax.value_and_grad(self.loss_and_updates, has_aux=True)
+        (_, (_, non_trainable)), grads = grad_fn(trainable, non_trainable, x, y)
+        for _ in range(2):
+            trainable, optimizer_variables = self.optimizer.stateless_apply(
+                optimizer_variables, grads, trainable
+            )
+        return {}, (trainable, non_trainable, optimizer_variables, metrics_variables)
+
+
+class SecondOptimizer(GuideStep):
+    def __init__(self):
+        super().__init__()
+        self.other_optimizer = keras.optimizers.SGD(0.1)
+
+    def train_step(self, state, data):
+        trainable, non_trainable, optimizer_variables, metrics_variables = state
+        self.other_optimizer.stateless_apply([], [], trainable)
+        return {}, state
+
+
+@pytest.mark.parametrize("cls, message", [
+    (NoApply, "The train_step of NoApply must hand its gradients to the model's optimizer "
+              "(`self.optimizer.stateless_apply(...)`) for gradaccum to accumulate them. "
+              "Received: a step that did not call it, so nothing would be trained."),
+    (TwiceApplied, "On Keras's JAX backend a model's own `train_step` must hand its "
+                   "gradients to `self.optimizer.stateless_apply` once per step for "
+                   "gradaccum to accumulate them. Received: a second call in one step of "
+                   "TwiceApplied.train_step."),
+    (SecondOptimizer, "On Keras's JAX backend gradaccum accumulates what a model's own "
+                      "`train_step` hands to the model's optimizer (`self.optimizer`, whose "
+                      "variables the JAX trainer carries). Received: a call of "
+                      "`self.other_optimizer.stateless_apply` in SecondOptimizer.train_step."),
+])
+def test_a_step_that_does_not_hand_its_gradients_over_once(cls, message):
+    x, y = data(10)
+    model = _compile(gradaccum.accumulate(make(cls), steps=2))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        model.fit(x, y, batch_size=5, epochs=1, verbose=0)
+
+
+def test_split_mode_with_an_own_step_is_refused():
+    with pytest.raises(ValueError, match=re.escape(
+        "On Keras's JAX backend a model's own `train_step` accumulates with `steps` "
+        "(each batch is a micro-batch); split mode runs Keras's default step. Received: "
+        "micro_batch_size=4 for model"
+    )):
+        gradaccum.accumulate(make(), micro_batch_size=4)
