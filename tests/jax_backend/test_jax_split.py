@@ -201,7 +201,11 @@ def test_nonfinite_raise_leaves_no_update_and_no_window():
     assert_weights_close(model, reference)
 
 
-def test_mixed_float16_with_loss_scaling_equals_plain_fit_under_the_policy():
+@pytest.mark.parametrize("growth", [2000, 3])
+def test_mixed_float16_with_loss_scaling_equals_plain_fit_under_the_policy(growth):
+    # The scale counts finite batches, as plain fit does: with growth every 3 steps
+    # it doubles after 3 batches (not 3 micro-batches), and no micro-batch overflows
+    # where plain fit's batches do not.
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         def make():
@@ -215,17 +219,27 @@ def test_mixed_float16_with_loss_scaling_equals_plain_fit_under_the_policy():
                                for w in model.get_weights()])
             return model
 
+        def scaled():
+            return keras.optimizers.LossScaleOptimizer(
+                keras.optimizers.SGD(0.5), dynamic_growth_steps=growth
+            )
+
         x, y = data(40)
-        model = gradaccum.accumulate(make(), micro_batch_size=8)
-        model.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.5)), SCE)
-        model.fit(x, y, batch_size=20, epochs=1, shuffle=False, verbose=0)
+        model = gradaccum.accumulate(make(), micro_batch_size=4)
+        model.compile(scaled(), SCE)
+        history = model.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0)
         reference = make()
-        reference.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.5)), SCE)
-        reference.fit(x, y, batch_size=20, epochs=1, shuffle=False, verbose=0)
+        reference.compile(scaled(), SCE)
+        reference.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0)
     finally:
         keras.mixed_precision.set_global_policy("float32")
     assert_weights_close(model, reference, rtol=1e-3, atol=1e-3)
-    assert int(model.optimizer.iterations) == 2
+    assert int(model.optimizer.iterations) == 4
+    assert history.history["skipped"] == [0.0, 0.0]
+    for name in ("step_counter", "dynamic_scale"):
+        assert float(getattr(model.optimizer, name).numpy()) == float(
+            getattr(reference.optimizer, name).numpy()
+        ), name
 
 
 def test_a_batch_whose_arrays_disagree_on_their_first_dimension():
@@ -270,7 +284,7 @@ def _limited(limit):
 
 def test_auto_halves_until_a_size_runs_and_equals_plain_fit(capsys):
     # Batches of 40: 40 and 20 run out of memory, 10 runs; the search then probes 15
-    # (out of memory) and 12 (runs), then 13 and 14 fail and 12 is where it settles.
+    # (out of memory) and 12 (runs), then 13 fails and 12 is where it settles.
     x, y = data(200)
     model = _adam(gradaccum.accumulate(_limited(12), micro_batch_size="auto"))
     history = model.fit(x, y, batch_size=40, epochs=2, shuffle=False, verbose=2)
@@ -284,6 +298,38 @@ def test_auto_halves_until_a_size_runs_and_equals_plain_fit(capsys):
         'gradaccum: micro_batch_size="auto" settled on 12 samples per micro-batch '
         "(40, 20, 15, 13 ran out of memory)."
     ) in capsys.readouterr().out
+
+
+class RealOutOfMemoryAbove(keras.layers.Layer):
+    """Passes its input through; compiled for more than `limit` samples it asks XLA
+    for a buffer of about 4 TB when it runs, a real out-of-memory error."""
+
+    def __init__(self, limit, **kwargs):
+        super().__init__(**kwargs)
+        self.limit = limit
+
+    def call(self, x, training=False):
+        n = x.shape[0]
+        if training and isinstance(n, int) and n > self.limit:
+            huge = jnp.sort(jnp.broadcast_to(x[:, :1], (n, 2**40 // n)), axis=0)
+            return x + 0.0 * huge[0, 0]
+        return x
+
+
+@pytest.mark.parametrize("jit_compile", [True, False], ids=["jit", "no_jit"])
+def test_auto_retries_a_real_out_of_memory_error_of_the_run(jit_compile):
+    # The failed call ran (and failed) on the state: it was not donated to it, so
+    # the same state trains on with the next size.
+    x, y = data(80)
+    inner = mlp()
+    model = keras.Sequential([keras.Input((6,)), RealOutOfMemoryAbove(12), *inner.layers])
+    model = _adam(gradaccum.accumulate(model, micro_batch_size="auto"),
+                  jit_compile=jit_compile)
+    history = model.fit(x, y, batch_size=40, epochs=2, shuffle=False, verbose=0)
+    reference, expected = _plain(x, y, 40, 2)
+    _assert_same_training(model, history, reference, expected)
+    assert accumulation_of(model).auto_size.failures[:2] == [40, 20]
+    assert model.micro_batch_size == 12
 
 
 def test_auto_with_a_cap_and_a_batch_that_fits():

@@ -160,7 +160,7 @@ class Accumulation:
         self._variables = list(host.trainable_variables)
         self.state = AccumulationState(
             self._variables, self.options.accumulator_dtype, terms=terms,
-            layouts=layouts_of(self._variables),
+            layouts=layouts_of(self._variables), split=self.options.split,
         )
         kc.model_metrics(host).append(self.state)
         self._restore_pending()
@@ -236,14 +236,14 @@ class Accumulation:
         make(force)
         return self.host.train_function
 
-    def _step_of_size(self, size: int):
+    def _step_of_size(self, size: int, donate: bool):
         """The step that splits batches into micro-batches of `size` samples,
-        compiled as Keras compiles its own (the state donated)."""
-        if size not in self._sized_steps:
-            self._sized_steps[size] = retry.compiled(
-                self.host, lambda state, data: self.step(state, data, size)
+        compiled as Keras compiles its own (the state donated where `donate`)."""
+        if (size, donate) not in self._sized_steps:
+            self._sized_steps[size, donate] = retry.compiled(
+                self.host, lambda state, data: self.step(state, data, size), donate
             )
-        return self._sized_steps[size]
+        return self._sized_steps[size, donate]
 
     def size_chosen(self) -> None:
         _fit_common.size_chosen(self)

@@ -4,9 +4,12 @@ with smaller micro-batches, and the failed attempt leaves no trace.
 The micro-batch size is static on JAX (each size is its own compiled step, made once
 and kept), and the step is a pure function of the trainer's state: a failed call
 returns nothing, so retrying is calling the next size's step on the same state and
-batch. What can end the retries is donation: Keras's step donates the state's
-buffers to the call, and an out-of-memory error raised after the call consumed them
-leaves nothing to retry with; it is raised with a note saying so.
+batch. Donation is what could end the retries: a call that fails at run time has
+consumed the buffers donated to it. So a size is tried without donating the state
+(which costs a second copy of it while the call runs) until the search has settled
+on it; from then on the state is donated as Keras donates it. An out-of-memory error
+after that (memory taken elsewhere) finds the state consumed and is raised with a
+note saying so.
 """
 
 from __future__ import annotations
@@ -16,24 +19,26 @@ import keras
 
 from gradaccum.backends.jax.step import Shards, batch_size
 
-RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+# What XLA's out-of-memory errors say (compiled: RESOURCE_EXHAUSTED; dispatched
+# without jit on CPU: INTERNAL ... Out of memory).
+OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "Out of memory")
 
 
-def compiled(host, step):
+def compiled(host, step, donate: bool = True):
     """`step(state, data)` compiled as Keras compiles a model's train step: jitted
-    with the state donated and laid out as the distribution lays it out (eager
-    where the model runs eagerly)."""
+    with the state donated (where `donate`) and laid out as the distribution lays it
+    out (eager where the model runs eagerly)."""
     if host.run_eagerly or not host.jit_compile:
         return step
     out_shardings = None
     if keras.distribution.distribution() is not None:
         out_shardings = (None, host._get_state_sharding_spec())
-    return jax.jit(step, donate_argnums=0, out_shardings=out_shardings)
+    return jax.jit(step, donate_argnums=0 if donate else (), out_shardings=out_shardings)
 
 
 def retrying(accumulation, step_of_size):
     """The step `fit` calls once per batch: the batch through
-    `step_of_size(size)` with the size `accumulation.auto_size` says, smaller after
+    `step_of_size(size, donate)` with the size `accumulation.auto_size` says, smaller after
     an out-of-memory error."""
     search = accumulation.auto_size
 
@@ -44,13 +49,15 @@ def retrying(accumulation, step_of_size):
         while True:
             size = min(search.size_for(batch), batch)
             try:
-                logs, new_state = step_of_size(size)(state, data)
+                # Donated only where the search settled on this size.
+                donate = search.settled and size == search.chosen
+                logs, new_state = step_of_size(size, donate)(state, data)
                 # An out-of-memory error of the computation surfaces here at the
                 # latest, while the batch can still be retried.
                 jax.block_until_ready(logs)
             except Exception as error:
                 retried = (isinstance(error, jax.errors.JaxRuntimeError)
-                           and RESOURCE_EXHAUSTED in str(error))
+                           and any(words in str(error) for words in OUT_OF_MEMORY))
                 if not retried or size <= search.granule:
                     hand_back(accumulation.host, state)
                 if not retried:

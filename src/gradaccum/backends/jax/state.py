@@ -15,7 +15,8 @@ class AccumulationState(keras.metrics.Metric):
     `reset_state` keeps the window: Keras resets metrics at every epoch, and a
     window may stay open across epochs (`partial="carry"`).
 
-    Fields (`FIELDS`, plus `accumulator_<i>` per trainable variable):
+    Fields (`FIELDS`, plus `accumulator_<i>` per trainable variable: its window's
+    sum, a scalar zero in split mode, where the sums never outlive a step):
     - `total_weight`: the sum of the open window's micro-batch weights.
     - `micro_step`: micro-batches accumulated in the open window.
     - `window_skipped`: micro-batches of the open window skipped as not finite (they
@@ -61,13 +62,17 @@ class AccumulationState(keras.metrics.Metric):
     # What `error` holds.
     ERRORS = {"nonfinite": 1, "negative_weight": 2, "schedule": 3}
 
-    def __init__(self, variables, accumulator_dtype="float32", terms=0, layouts=None):
+    def __init__(self, variables, accumulator_dtype="float32", terms=0, layouts=None,
+                 split=False):
         super().__init__(name="gradaccum_state")
         # Under a keras.distribution each accumulator is laid out as its variable
         # (sharded like it, never whole on one device) and every field replicated.
         layouts = layouts or [None] * len(variables)
+        # In split mode every batch closes its window: the sums live in the step
+        # only, and the state keeps a scalar zero in their place.
         self.accumulators = [
-            self._add(tuple(v.shape), "zeros", accumulator_dtype, f"accumulator_{i}", layout)
+            self._add(() if split else tuple(v.shape), "zeros", accumulator_dtype,
+                      f"accumulator_{i}", replicated(()) if split else layout)
             for i, (v, layout) in enumerate(zip(variables, layouts))
         ]
         weight_dtype = "float64" if accumulator_dtype == "float64" else "float32"

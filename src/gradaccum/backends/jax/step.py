@@ -310,6 +310,9 @@ class TrainStep:
                      list(metrics_variables), ours, weighted, weights + weight)
             return carry, None
 
+        # The batch's sums start from zero in the step (the state keeps none).
+        for i, variable in enumerate(trainable):
+            ours[f"accumulator_{i}"] = jnp.zeros(variable.shape, entry[f"accumulator_{i}"].dtype)
         zero = jnp.zeros((), "float32")
         carry = (list(non_trainable), list(optimizer_variables), list(metrics_variables),
                  ours, zero, zero)
@@ -323,6 +326,8 @@ class TrainStep:
         (new_non_trainable, new_optimizer, new_metrics, ours, weighted,
          weights) = carry
 
+        if self.loss_scaled:
+            new_optimizer = self.grow(new_optimizer, ours["skipped"] == entry["skipped"])
         # An error in this batch (a non-finite gradient with nonfinite="raise", a
         # negative weight) leaves no update and no window: fit raises after the call.
         failed = (ours["error"] > 0) & ~halted
@@ -332,6 +337,8 @@ class TrainStep:
         )
         epoch_step = ours["epoch_step"] + 1
         window["epoch_step"] = epoch_step
+        for i in range(len(trainable)):
+            window[f"accumulator_{i}"] = entry[f"accumulator_{i}"]
         # The batch's loss, logged as Keras logs a step's on the whole batch.
         loss = jnp.where(weights > 0, weighted / jnp.where(weights > 0, weights, 1.0), 0.0)
         logs, metrics_after = self.stateless_metrics(
@@ -499,18 +506,40 @@ class TrainStep:
         accepted = all_finite(gradients)
         if callable(self.options.nonfinite):
             accepted = accepted & accept
-        grows = counter == self.model.optimizer.dynamic_growth_steps - 1
-        optimizer_variables[self.counter_slot] = jnp.where(
-            accepted & ~grows, counter + 1, jnp.zeros_like(counter)
-        )
-        optimizer_variables[self.scale_slot] = jnp.where(
-            accepted, jnp.where(grows, scale * 2, scale), scale * 0.5
-        )
+        if self.options.split:
+            # Split mode: an overflow backs off at once; the finite steps that grow
+            # the scale are counted once per batch, as Keras counts them (`grow`).
+            optimizer_variables[self.counter_slot] = jnp.where(
+                accepted, counter, jnp.zeros_like(counter)
+            )
+            optimizer_variables[self.scale_slot] = jnp.where(accepted, scale, scale * 0.5)
+        else:
+            grows = counter == self.model.optimizer.dynamic_growth_steps - 1
+            optimizer_variables[self.counter_slot] = jnp.where(
+                accepted & ~grows, counter + 1, jnp.zeros_like(counter)
+            )
+            optimizer_variables[self.scale_slot] = jnp.where(
+                accepted, jnp.where(grows, scale * 2, scale), scale * 0.5
+            )
         factor = 1.0 / scale.astype("float32")
         if weight is not None:
             factor = factor * weight.astype("float32")
         unscaled = [None if g is None else g * factor.astype(g.dtype) for g in gradients]
         return unscaled, accepted, optimizer_variables
+
+    def grow(self, optimizer_variables, finite):
+        """Split mode under a LossScaleOptimizer, at the end of a batch: one finite
+        step of the scale's count (doubled after `dynamic_growth_steps` of them) when
+        no micro-batch of the batch overflowed (`finite`)."""
+        optimizer_variables = list(optimizer_variables)
+        scale = optimizer_variables[self.scale_slot]
+        counter = optimizer_variables[self.counter_slot]
+        grows = counter == self.model.optimizer.dynamic_growth_steps - 1
+        optimizer_variables[self.counter_slot] = jnp.where(
+            finite, jnp.where(grows, jnp.zeros_like(counter), counter + 1), counter
+        )
+        optimizer_variables[self.scale_slot] = jnp.where(finite & grows, scale * 2, scale)
+        return optimizer_variables
 
     def accepts(self, gradients):
         """Whether the micro-batch is accumulated under `nonfinite` (a boolean)."""
