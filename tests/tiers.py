@@ -149,6 +149,7 @@ SLOW = [
     "jax_backend/test_jax_distribution.py::"
     "test_data_and_model_parallel_on_four_devices_equal_one_device",
     "jax_backend/test_jax_own_step.py::test_a_window_carried_across_fits_equals_the_windows",
+    "jax_backend/test_jax_own_step.py::test_a_step_that_delegates_to_keras_default_step",
     "jax_backend/test_jax_own_step.py::"
     "test_save_weights_in_the_middle_of_a_window_resumes_exactly",
     # Child processes that start TensorFlow, several times each.

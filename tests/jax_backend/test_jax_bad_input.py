@@ -60,20 +60,6 @@ def test_a_negative_weight_from_the_weighting_callable():
         model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
 
 
-def test_a_model_with_its_own_train_step():
-    class OwnStep(keras.Sequential):
-        def train_step(self, state, data):
-            return super().train_step(state, data)
-
-    model = OwnStep([keras.Input((6,)), keras.layers.Dense(3)])
-    with pytest.raises(ValueError, match=re.escape(
-        "On Keras's JAX backend gradaccum trains models that use Keras's default "
-        "`train_step` (their own `compute_loss`, compiled loss and metrics run "
-        "unchanged). Received: model"
-    )):
-        gradaccum.accumulate(model, steps=2)
-
-
 @pytest.mark.parametrize("name", ["GradientAccumulator", "BatchNormalization"])
 def test_tensorflow_only_names_say_where_they_run(name):
     gradaccum.__dict__.pop(name, None)

@@ -195,6 +195,34 @@ def test_a_window_carried_across_fits_equals_the_windows(carry_model):
     assert_weights_close(carry_model, reference)
 
 
+class Delegating(keras.Sequential):
+    """A step of its own that adds a log entry around Keras's."""
+
+    def train_step(self, state, data):
+        logs, state = super().train_step(state, data)
+        return dict(logs, extra=1.0), state
+
+
+def test_a_step_that_delegates_to_keras_default_step():
+    def make_delegating():
+        model = Delegating([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                            keras.layers.Dense(3)])
+        rng = np.random.default_rng(0)
+        model.set_weights([rng.normal(0, 0.5, w.shape).astype(w.dtype)
+                           for w in model.get_weights()])
+        return model
+
+    x, y = data(28)
+    model = _compile(gradaccum.accumulate(make_delegating(), steps=3))
+    history = model.fit(x, y, batch_size=5, epochs=1, shuffle=False, verbose=0)
+    reference = _compile(make_delegating())
+    for index in windows_of([5, 5, 5, 5, 5, 3], [3, 3]):
+        reference.fit(x[index], y[index], batch_size=len(index), shuffle=False, verbose=0)
+    assert_weights_close(model, reference)
+    assert history.history["extra"] == [1.0]
+    assert history.history["updates"] == [2.0]
+
+
 class NoApply(GuideStep):
     def train_step(self, state, data):
         return {}, state
