@@ -85,7 +85,7 @@ def train(model_name, options, kind=None):
         x, y = data(model_name)
         # Split mode: batches of 12 as micro-batches of 8 and a shorter last one,
         # each taking an equal part of every data shard.
-        batch = 12 if "micro_batch_size" in options else 8
+        batch = 12 if options.get("micro_batch_size") == 8 else 8
         history = model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
         state = accumulation_of(model).state
         shardings = {
@@ -172,6 +172,11 @@ def main():
                     "updates": history.history["updates"],
                     "shardings": shardings,
                 })
+    # micro_batch_size="auto" under DataParallel: sizes are multiples of the shards.
+    reference, _, _ = train("mlp", {"micro_batch_size": "auto", "max_micro_batch_size": 8})
+    model, _, _ = train("mlp", {"micro_batch_size": "auto", "max_micro_batch_size": 8},
+                        "data_parallel")
+    results["auto"] = {"gap": gap(model, reference), "size": model.micro_batch_size}
     if len(jax.devices()) >= 3:
         results["misfit"] = misfit_layout()
         results["indivisible"] = indivisible_micro_batch()

@@ -439,3 +439,31 @@ def test_model_save_writes_plain_keras(tmp_path):
     np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0),
                                rtol=1e-6)
     assert int(loaded.optimizer.iterations) == 3
+
+
+def test_a_skipped_micro_batch_leaves_the_batch_statistics_as_they_were():
+    # Micro-batch 2 holds an inf: skipped, its BatchNormalization update is dropped
+    # with it, so the moving statistics are those of the 5 other micro-batches.
+    x, y = data(30)
+    bad = x.copy()
+    bad[7, 0] = np.inf
+
+    def make():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((6,)), keras.layers.BatchNormalization(),
+                                 keras.layers.Dense(3)])
+
+    model = gradaccum.accumulate(make(), steps=1)
+    model.compile(keras.optimizers.SGD(0.0), SCE)
+    with pytest.warns(UserWarning, match="skipped"):
+        history = model.fit(bad, y, batch_size=5, epochs=1, shuffle=False, verbose=0)
+    reference = gradaccum.accumulate(make(), steps=1)
+    reference.compile(keras.optimizers.SGD(0.0), SCE)
+    keep = np.r_[0:5, 10:30]
+    reference.fit(x[keep], y[keep], batch_size=5, epochs=1, shuffle=False, verbose=0)
+    assert history.history["skipped"] == [1.0]
+    statistics = [v.numpy() for v in model.layers[0].non_trainable_variables]
+    assert all(np.isfinite(s).all() for s in statistics)
+    for ours, theirs in zip(statistics, reference.layers[0].non_trainable_variables):
+        np.testing.assert_allclose(ours, theirs.numpy(), rtol=1e-6)
+    assert np.isfinite(model.predict(x[:4], verbose=0)).all()

@@ -81,7 +81,11 @@ def _check(results, devices):
 
 
 def test_data_and_model_parallel_on_two_devices_equal_one_device(jobs):
-    _check(_results(jobs, 2), 2)
+    results = _results(jobs, 2)
+    _check(results, 2)
+    # "auto" under DataParallel: the whole batch of 8 runs (capped at 8), exact.
+    assert results["auto"]["gap"] < 1e-6
+    assert results["auto"]["size"] == 8
 
 
 def test_data_and_model_parallel_on_four_devices_equal_one_device(jobs):

@@ -223,6 +223,77 @@ def test_a_step_that_delegates_to_keras_default_step():
     assert history.history["updates"] == [2.0]
 
 
+class FirstLayerFrozenByNone(GuideStep):
+    """Hands `None` for the first layer's gradients (Keras's optimizer skips them)."""
+
+    def train_step(self, state, data):
+        trainable, non_trainable, optimizer_variables, metrics_variables = state
+        x, y = data
+        grad_fn = jax.value_and_grad(self.loss_and_updates, has_aux=True)
+        (_, (_, non_trainable)), grads = grad_fn(trainable, non_trainable, x, y)
+        grads = [None, None] + list(grads[2:])
+        trainable, optimizer_variables = self.optimizer.stateless_apply(
+            optimizer_variables, grads, trainable
+        )
+        return {}, (trainable, non_trainable, optimizer_variables, metrics_variables)
+
+
+def test_none_gradients_count_as_zero():
+    x, y = data(28)
+    model = _compile(gradaccum.accumulate(make(FirstLayerFrozenByNone), steps=3),
+                     keras.optimizers.SGD(0.2))
+    model.fit(x, y, batch_size=5, epochs=1, shuffle=False, verbose=0)
+    reference = _reference(FirstLayerFrozenByNone, windows_of([5, 5, 5, 5, 5, 3], [3, 3]),
+                           x, y, keras.optimizers.SGD(0.2))
+    assert_weights_close(model, reference)
+    np.testing.assert_array_equal(model.get_weights()[0], make().get_weights()[0])
+
+
+class Clipped(GuideStep):
+    """Clips its weights after the update (a WGAN critic's clip)."""
+
+    def train_step(self, state, data):
+        logs, (trainable, *rest) = super().train_step(state, data)
+        trainable = [keras.ops.clip(t, -0.3, 0.3) for t in trainable]
+        return logs, (trainable, *rest)
+
+
+class Rematerialized(GuideStep):
+    """Its loss under `jax.checkpoint`."""
+
+    def train_step(self, state, data):
+        trainable, non_trainable, optimizer_variables, metrics_variables = state
+        x, y = data
+        grad_fn = jax.value_and_grad(jax.checkpoint(self.loss_and_updates), has_aux=True)
+        (_, (_, non_trainable)), grads = grad_fn(trainable, non_trainable, x, y)
+        trainable, optimizer_variables = self.optimizer.stateless_apply(
+            optimizer_variables, grads, trainable
+        )
+        return {}, (trainable, non_trainable, optimizer_variables, metrics_variables)
+
+
+class OwnMetricsList(GuideStep):
+    """Lists its metrics itself (keras.io's lower-level example)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tracker = keras.metrics.Mean(name="tracked")
+
+    @property
+    def metrics(self):
+        return [self.tracker]
+
+
+def test_a_rematerialized_loss_is_exact_with_a_uniform_weighting():
+    x, y = data(30)
+    model = _compile(gradaccum.accumulate(make(Rematerialized), steps=3,
+                                          weighting="uniform"), keras.optimizers.SGD(0.2))
+    model.fit(x, y, batch_size=5, epochs=1, shuffle=False, verbose=0)
+    reference = _reference(Rematerialized, windows_of([5] * 6, [3, 3]), x, y,
+                           keras.optimizers.SGD(0.2))
+    assert_weights_close(model, reference)
+
+
 class NoApply(GuideStep):
     def train_step(self, state, data):
         return {}, state
@@ -260,6 +331,18 @@ class SecondOptimizer(GuideStep):
                    "gradients to `self.optimizer.stateless_apply` once per step for "
                    "gradaccum to accumulate them. Received: a second call in one step of "
                    "TwiceApplied.train_step."),
+    (Clipped, "A model's own `train_step` must return the trainable variables "
+              "`self.optimizer.stateless_apply` gave it, unchanged, for gradaccum to apply "
+              "the window's update"),
+    (Rematerialized, "weighting='exact' reads each micro-batch's loss normalizer where the "
+                     "compiled loss computes it; a model's own `train_step` that computes its "
+                     "loss inside a JAX transformation of its own (`jax.checkpoint`, "
+                     "`lax.scan`, `vmap`) keeps that value inside it. Received: a "
+                     "normalizer that escaped such a transformation in "
+                     "Rematerialized.train_step."),
+    (OwnMetricsList, "gradaccum's state rides in the metric variables Keras's JAX trainer "
+                     "carries (`model.metrics_variables`, from `model.metrics`). Received: "
+                     "model"),
     (SecondOptimizer, "On Keras's JAX backend gradaccum accumulates what a model's own "
                       "`train_step` hands to the model's optimizer (`self.optimizer`, whose "
                       "variables the JAX trainer carries). Received: a call of "

@@ -236,12 +236,13 @@ class Accumulation:
         make(force)
         return self.host.train_function
 
-    def _step_of_size(self, size: int, donate: bool):
+    def _step_of_size(self, size: int, donate: bool, state):
         """The step that splits batches into micro-batches of `size` samples,
-        compiled as Keras compiles its own (the state donated where `donate`)."""
+        compiled as Keras compiles its own (the state donated where `donate`, laid
+        out as `state`, the trainer's, is)."""
         if (size, donate) not in self._sized_steps:
             self._sized_steps[size, donate] = retry.compiled(
-                self.host, lambda state, data: self.step(state, data, size), donate
+                self.host, lambda state, data: self.step(state, data, size), state, donate
             )
         return self._sized_steps[size, donate]
 

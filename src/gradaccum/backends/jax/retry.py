@@ -24,21 +24,22 @@ from gradaccum.backends.jax.step import Shards, batch_size
 OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "Out of memory")
 
 
-def compiled(host, step, donate: bool = True):
+def compiled(host, step, state, donate: bool = True):
     """`step(state, data)` compiled as Keras compiles a model's train step: jitted
-    with the state donated (where `donate`) and laid out as the distribution lays it
-    out (eager where the model runs eagerly)."""
+    with the state donated (where `donate`) and, under a distribution, the new
+    state laid out as `state` (the trainer's) is (eager where the model runs
+    eagerly)."""
     if host.run_eagerly or not host.jit_compile:
         return step
     out_shardings = None
     if keras.distribution.distribution() is not None:
-        out_shardings = (None, host._get_state_sharding_spec())
+        out_shardings = (None, jax.tree_util.tree_map(lambda a: a.sharding, state))
     return jax.jit(step, donate_argnums=0 if donate else (), out_shardings=out_shardings)
 
 
 def retrying(accumulation, step_of_size):
     """The step `fit` calls once per batch: the batch through
-    `step_of_size(size, donate)` with the size `accumulation.auto_size` says, smaller after
+    `step_of_size(size, donate, state)` with the size `accumulation.auto_size` says, smaller after
     an out-of-memory error."""
     search = accumulation.auto_size
 
@@ -51,7 +52,7 @@ def retrying(accumulation, step_of_size):
             try:
                 # Donated only where the search settled on this size.
                 donate = search.settled and size == search.chosen
-                logs, new_state = step_of_size(size, donate)(state, data)
+                logs, new_state = step_of_size(size, donate, state)(state, data)
                 # An out-of-memory error of the computation surfaces here at the
                 # latest, while the batch can still be retried.
                 jax.block_until_ready(logs)

@@ -76,6 +76,14 @@ class TrainStep:
         ours = {id(v): name for name, v in state.named().items()}
         # Where the state's variables sit among the trainer's metric variables.
         self.slots = {ours[id(v)]: i for i, v in enumerate(metrics_variables) if id(v) in ours}
+        if len(self.slots) != len(ours):
+            raise ValueError(
+                "gradaccum's state rides in the metric variables Keras's JAX trainer "
+                "carries (`model.metrics_variables`, from `model.metrics`). Received: "
+                f"model {model.name!r} of class {type(model).__name__} whose `metrics` "
+                "leaves out the metrics it tracks; return "
+                "`super().metrics + [...]` (or list your metrics in `compile`)."
+            )
         optimizer = model.optimizer
         self.iterations_slot = next(
             i for i, v in enumerate(optimizer.variables) if v is optimizer.iterations
@@ -189,8 +197,9 @@ class TrainStep:
                     "gradaccum to accumulate them. Received: a second call in one step "
                     f"of {type(model).__name__}.train_step."
                 )
-            handed.append(list(grads))
-            return list(trainable_variables), list(optimizer_variables)
+            returned = list(trainable_variables)
+            handed.append((list(grads), returned))
+            return returned, list(optimizer_variables)
 
         self.normalizers.take()
         with self.routing(stateless_apply):
@@ -200,6 +209,16 @@ class TrainStep:
                 data,
             )
         normalizers = self.normalizers.take()
+        if options.weighting == "exact" and any(escaped(n) for n in normalizers):
+            raise ValueError(
+                "weighting='exact' reads each micro-batch's loss normalizer where the "
+                "compiled loss computes it; a model's own `train_step` that computes "
+                "its loss inside a JAX transformation of its own (`jax.checkpoint`, "
+                "`lax.scan`, `vmap`) keeps that value inside it. Received: a normalizer "
+                f"that escaped such a transformation in {type(model).__name__}.train_step. "
+                "Pass weighting='uniform' (equal micro-batches) or a `weighting` "
+                "callable of the micro-batch."
+            )
         if not handed:
             raise ValueError(
                 f"The train_step of {type(model).__name__} must hand its gradients to "
@@ -208,7 +227,18 @@ class TrainStep:
                 "so nothing would be trained."
             )
         trainable_out, non_trainable_out, optimizer_out, metrics_out = state
-        gradients = handed[0]
+        gradients, returned = handed[0]
+        if any(a is not b for a, b in zip(trainable_out, returned)):
+            raise ValueError(
+                "A model's own `train_step` must return the trainable variables "
+                "`self.optimizer.stateless_apply` gave it, unchanged, for gradaccum to "
+                "apply the window's update: the update is made when a window closes, "
+                "so what the step does to the variables after that call would act on "
+                "the variables before it. Received: "
+                f"{type(model).__name__}.train_step changed them after the call (a "
+                "clip or a constraint? put it in the layers' `kernel_constraint` or an "
+                "optimizer option)."
+            )
         if len(gradients) != len(trainable):
             raise ValueError(
                 "The gradients a model's own `train_step` hands to "
@@ -223,9 +253,12 @@ class TrainStep:
             gradients = [
                 None if g is None else g * weight.astype(g.dtype) for g in gradients
             ]
+        before = ours
         ours, optimizer_out, _, error = self.add(
             ours, gradients, weight, normalizers, list(optimizer_out)
         )
+        non_trainable_out = kept_unless_accepted(non_trainable_out, non_trainable,
+                                                 before, ours)
         trainable_after, optimizer_after, window, epoch_step = self.window_end(
             list(trainable_out), optimizer_out, ours, error
         )
@@ -389,9 +422,12 @@ class TrainStep:
         )(trainable, non_trainable, metrics_variables)
         unscaled_loss, y_pred, new_non_trainable, new_metrics = aux
 
+        before = ours
         ours, optimizer_variables, weight, error = self.add(
             ours, gradients, weight, normalizers, optimizer_variables
         )
+        new_non_trainable = kept_unless_accepted(new_non_trainable, non_trainable,
+                                                 before, ours)
         return (ours, optimizer_variables, new_non_trainable, new_metrics, unscaled_loss,
                 y_pred, weight, error)
 
@@ -445,6 +481,8 @@ class TrainStep:
 
         weight = weight.astype(ours["total_weight"].dtype)
         for i, g in enumerate(gradients):
+            if g is None:
+                continue  # no gradient for this variable: zero in this micro-batch
             total = ours[f"accumulator_{i}"]
             ours[f"accumulator_{i}"] = jnp.where(accept, total + g.astype(total.dtype), total)
         ours["total_weight"] = ours["total_weight"] + jnp.where(accept, weight, 0)
@@ -696,6 +734,30 @@ def batch_size(data) -> int:
         )
     check_batch_dimensions([t.shape[0] for t in leaves], [t.shape for t in leaves])
     return int(leaves[0].shape[0])
+
+
+def escaped(value) -> bool:
+    """Whether `value` is a tracer of another trace than the step's own (it leaked
+    out of a `jax.checkpoint`, say, whose jaxpr cannot give it to the step)."""
+    if not isinstance(value, jax.core.Tracer):
+        return False
+    try:
+        from jax._src.core import trace_ctx
+    except ImportError:  # a JAX without it: nothing to tell
+        return False
+    trace = getattr(value, "_trace", None)
+    is_valid = getattr(trace, "is_valid", None)
+    if callable(is_valid) and not is_valid():
+        return True
+    return trace is not trace_ctx.trace
+
+
+def kept_unless_accepted(new, old, before, after):
+    """The non-trainable variables after a micro-batch (statistics, seeds), or as
+    they were where it was not accumulated (skipped: it never reaches the
+    weights)."""
+    accepted = after["micro_step"] > before["micro_step"]
+    return [jnp.where(accepted, n, o) for n, o in zip(new, old)]
 
 
 class Shards:
