@@ -36,8 +36,6 @@ for backend in ${GRADACCUM_BACKENDS:-tensorflow jax}; do
   workers="${GRADACCUM_TEST_WORKERS:-2}"
   if [ "$backend" = "jax" ]; then
     paths=(tests/jax_backend)
-    # JAX's fast tier is ~40 s of tests: starting two workers costs more than it saves.
-    if [ "$fast" = 1 ]; then workers="${GRADACCUM_TEST_WORKERS:-0}"; fi
   fi
   KERAS_BACKEND="$backend" python -m pytest -n "$workers" "${tier[@]}" \
     ${paths[@]+"${paths[@]}"} ${args[@]+"${args[@]}"} || status=$?
