@@ -156,16 +156,9 @@ def memory_child(workload: str, run: str, B: int, b: int) -> None:
     with open("/proc/self/statm") as f:
         before = int(f.read().split()[1]) * resource.getpagesize() / MIB
     model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    from jax_builtin import high_water_mib
+
     print(json.dumps({"before_fit_mib": before, "peak_mib": high_water_mib()}))
-
-
-def high_water_mib() -> float:
-    """This process's peak resident set: VmHWM, not `ru_maxrss`, which on Linux
-    keeps the parent's high-water mark across fork and exec (a child started by a
-    parent that trained already reads the parent's peak)."""
-    with open("/proc/self/status") as f:
-        line = next(line for line in f if line.startswith("VmHWM:"))
-    return int(line.split()[1]) / 1024
 
 
 def rss(workload: str, run: str, B: int, b: int) -> dict:

@@ -122,27 +122,28 @@ def misfit_layout() -> str:
     mesh = keras.distribution.DeviceMesh((1, 3), ["batch", "model"], devices)
     layout_map = keras.distribution.LayoutMap(mesh)
     layout_map[".*dense_b.*kernel"] = (None, "model")
-    keras.distribution.set_distribution(
-        keras.distribution.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
-    )
-    try:
-        x, y = data("mlp")
-        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
-    except ValueError as error:
-        return str(error)
-    finally:
-        keras.distribution.set_distribution(None)
-    return "no error"
+    distribution = keras.distribution.ModelParallel(layout_map=layout_map,
+                                                    batch_dim_name="batch")
+    return refusal(distribution, lambda: model)
 
 
 def indivisible_micro_batch() -> str:
     """Split mode with micro-batches of 3 over batches sharded on all devices."""
-    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()))
-    try:
+    def make():
         model = gradaccum.accumulate(mlp(), micro_batch_size=3)
         model.compile(keras.optimizers.Adam(0.01), SCE)
+        return model
+
+    return refusal(keras.distribution.DataParallel(devices=jax.devices()), make)
+
+
+def refusal(distribution, make) -> str:
+    """The ValueError's message when the model `make()` gives (made under
+    `distribution`) fits a batch of 8 under it ("no error" if none)."""
+    keras.distribution.set_distribution(distribution)
+    try:
         x, y = data("mlp")
-        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+        make().fit(x, y, batch_size=8, epochs=1, verbose=0)
     except ValueError as error:
         return str(error)
     finally:

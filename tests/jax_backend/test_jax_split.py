@@ -13,6 +13,8 @@ import keras
 import numpy as np
 import pytest
 from helpers import SCE, assert_optimizer_close, assert_weights_close, data, max_gap, mlp
+from test_jax_accumulate import _own_loss
+from test_jax_mixed_precision import _mlp as _mixed_mlp
 
 import gradaccum
 from gradaccum.attach import accumulation_of
@@ -111,30 +113,6 @@ def test_masked_sequences_are_weighted_by_their_tokens():
     assert_weights_close(model, reference)
 
 
-class OwnLoss(keras.Model):
-    """A subclassed model with its own `compute_loss` (an L2 term on its outputs)."""
-
-    def __init__(self):
-        super().__init__()
-        self.hidden = keras.layers.Dense(8, activation="tanh")
-        self.out = keras.layers.Dense(3)
-
-    def call(self, x):
-        return self.out(self.hidden(x))
-
-    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        loss = super().compute_loss(x, y, y_pred, sample_weight, training)
-        return loss + 0.01 * keras.ops.mean(keras.ops.square(y_pred))
-
-
-def _own_loss(seed=0):
-    model = OwnLoss()
-    model(np.zeros((1, 6), "float32"))
-    rng = np.random.default_rng(seed)
-    model.set_weights([rng.normal(0, 0.5, w.shape).astype(w.dtype) for w in model.get_weights()])
-    return model
-
-
 def test_a_models_own_compute_loss_runs_per_micro_batch():
     # Equal micro-batches (8 + 8 + 8): the extra term's mean is exact with them.
     x, y = data(48)
@@ -208,27 +186,16 @@ def test_mixed_float16_with_loss_scaling_equals_plain_fit_under_the_policy(growt
     # where plain fit's batches do not.
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
-        def make():
-            model = keras.Sequential([
-                keras.Input((6,)),
-                keras.layers.Dense(8, activation="tanh"),
-                keras.layers.Dense(3, dtype="float32"),
-            ])
-            rng = np.random.default_rng(0)
-            model.set_weights([rng.normal(0, 0.5, w.shape).astype(w.dtype)
-                               for w in model.get_weights()])
-            return model
-
         def scaled():
             return keras.optimizers.LossScaleOptimizer(
                 keras.optimizers.SGD(0.5), dynamic_growth_steps=growth
             )
 
         x, y = data(40)
-        model = gradaccum.accumulate(make(), micro_batch_size=4)
+        model = gradaccum.accumulate(_mixed_mlp(), micro_batch_size=4)
         model.compile(scaled(), SCE)
         history = model.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0)
-        reference = make()
+        reference = _mixed_mlp()
         reference.compile(scaled(), SCE)
         reference.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0)
     finally:
