@@ -223,6 +223,131 @@ def test_a_step_that_delegates_to_keras_default_step():
     assert history.history["updates"] == [2.0]
 
 
+class TwoOptimizers(keras.Model):
+    """GAN-style: two sub-networks, each with its own optimizer and loss, both
+    gradients computed from the step's state before either is applied. Keras's JAX
+    trainer carries `self.optimizer`'s variables; the class carries both optimizers'
+    in that place of the state (its `_get_jax_state` and `jax_state_sync`), and
+    hands each optimizer its slice."""
+
+    def __init__(self):
+        super().__init__()
+        self.net_a = keras.Sequential(
+            [keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)], name="net_a"
+        )
+        self.net_b = keras.Sequential(
+            [keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(1)], name="net_b"
+        )
+
+    def call(self, x):
+        return self.net_b(keras.ops.softmax(self.net_a(x)))
+
+    def compile(self, opt_a, opt_b, **kwargs):
+        super().compile(**kwargs)
+        self.opt_a, self.opt_b = opt_a, opt_b
+        opt_a.build(self.net_a.trainable_variables)
+        opt_b.build(self.net_b.trainable_variables)
+
+    def carried(self):
+        return list(self.opt_a.variables) + list(self.opt_b.variables)
+
+    def _get_jax_state(self, trainable_variables=False, non_trainable_variables=False,
+                       optimizer_variables=False, metrics_variables=False,
+                       purge_model_variables=False):
+        state = []
+        if trainable_variables:
+            state.append([v.value for v in self.trainable_variables])
+        if non_trainable_variables:
+            state.append([v.value for v in self.non_trainable_variables])
+        if optimizer_variables:
+            state.append([v.value for v in self.carried()])
+        if metrics_variables:
+            state.append([v.value for v in self.metrics_variables])
+        return tuple(state)
+
+    def jax_state_sync(self):
+        if not getattr(self, "_jax_state", None) or self._jax_state_synced:
+            return
+        carried = self._jax_state.pop("optimizer_variables", None) or []
+        super().jax_state_sync()
+        for ref, value in zip(self.carried(), carried):
+            ref.assign(value)
+
+    def losses_of(self, trainable_a, trainable_b, x, y):
+        target = keras.ops.cast(keras.ops.expand_dims(y, -1), "float32")
+        mapping = list(zip(self.net_a.trainable_variables, trainable_a))
+        mapping += list(zip(self.net_b.trainable_variables, trainable_b))
+        with keras.StatelessScope(state_mapping=mapping):
+            logits = self.net_a(x, training=True)
+            judged = self.net_b(keras.ops.softmax(logits), training=True)
+        loss_a = keras.ops.mean(
+            keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
+        ) + 0.1 * keras.ops.mean(keras.ops.square(judged))
+        loss_b = keras.ops.mean(keras.ops.square(judged - target))
+        return loss_a, loss_b
+
+    def train_step(self, state, data):
+        trainable, non_trainable, optimizer_variables, metrics_variables = state
+        x, y = data
+        n_a, n_opt_a = len(self.net_a.trainable_variables), len(self.opt_a.variables)
+        trainable_a, trainable_b = trainable[:n_a], trainable[n_a:]
+        loss_a, grads_a = jax.value_and_grad(
+            lambda t: self.losses_of(t, trainable_b, x, y)[0])(trainable_a)
+        loss_b, grads_b = jax.value_and_grad(
+            lambda t: self.losses_of(trainable_a, t, x, y)[1])(trainable_b)
+        trainable_a, opt_a = self.opt_a.stateless_apply(
+            optimizer_variables[:n_opt_a], grads_a, trainable_a)
+        trainable_b, opt_b = self.opt_b.stateless_apply(
+            optimizer_variables[n_opt_a:], grads_b, trainable_b)
+        return ({"loss_a": loss_a, "loss_b": loss_b},
+                (list(trainable_a) + list(trainable_b), non_trainable,
+                 list(opt_a) + list(opt_b), metrics_variables))
+
+
+def _gan(accumulated=None):
+    model = make(TwoOptimizers)
+    if accumulated is not None:
+        gradaccum.accumulate(model, **accumulated)
+    # After accumulate: the class's own compile signature runs as written.
+    model.compile(keras.optimizers.Adam(0.05), keras.optimizers.SGD(0.2, momentum=0.5))
+    return model
+
+
+@pytest.mark.parametrize("source", ["arrays", "generator"])
+def test_a_gan_s_two_optimizers_each_update_once_per_window(source):
+    # 28 samples in micro-batches of 4, steps=3. Arrays, 2 epochs: windows of 12, 12
+    # and 4 samples an epoch. A generator of the same 14 batches is one epoch of
+    # unknown length: windows of 12 samples, the last (8) applied after the data
+    # ends, outside the step.
+    x, y = data(28)
+    model = _gan(dict(steps=3))
+    if source == "arrays":
+        history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+        windows = windows_of([4] * 7, [3, 3, 1]) * 2
+    else:
+        def batches():
+            for start in list(range(0, 28, 4)) * 2:
+                yield x[start:start + 4], y[start:start + 4]
+
+        history = model.fit(batches(), epochs=1, verbose=0)
+        xx, yy = np.concatenate([x, x]), np.concatenate([y, y])
+        windows = windows_of([4] * 14, [3, 3, 3, 3, 2])
+        x, y = xx, yy
+    reference = _gan()
+    for index in windows:
+        reference.fit(x[index], y[index], batch_size=len(index), shuffle=False, verbose=0)
+    assert max_gap(model, make(TwoOptimizers)) > 1e-2
+    assert_weights_close(model, reference)
+    assert_optimizer_close(model.opt_a, reference.opt_a)
+    assert_optimizer_close(model.opt_b, reference.opt_b)
+    updates = len(windows)
+    assert int(model.opt_a.iterations) == int(model.opt_b.iterations) == updates
+    # The compiled default optimizer the class never uses stays untouched; `updates`
+    # counts the first optimizer the step hands gradients to.
+    assert int(model.optimizer.iterations) == 0
+    assert history.history["updates"][-1] == updates
+    assert {"loss_a", "loss_b"} <= set(history.history)
+
 class FirstLayerFrozenByNone(GuideStep):
     """Hands `None` for the first layer's gradients (Keras's optimizer skips them)."""
 
@@ -236,17 +361,6 @@ class FirstLayerFrozenByNone(GuideStep):
             optimizer_variables, grads, trainable
         )
         return {}, (trainable, non_trainable, optimizer_variables, metrics_variables)
-
-
-def test_none_gradients_count_as_zero():
-    x, y = data(28)
-    model = _compile(gradaccum.accumulate(make(FirstLayerFrozenByNone), steps=3),
-                     keras.optimizers.SGD(0.2))
-    model.fit(x, y, batch_size=5, epochs=1, shuffle=False, verbose=0)
-    reference = _reference(FirstLayerFrozenByNone, windows_of([5, 5, 5, 5, 5, 3], [3, 3]),
-                           x, y, keras.optimizers.SGD(0.2))
-    assert_weights_close(model, reference)
-    np.testing.assert_array_equal(model.get_weights()[0], make().get_weights()[0])
 
 
 class Clipped(GuideStep):
@@ -313,14 +427,85 @@ class TwiceApplied(GuideStep):
 
 
 class SecondOptimizer(GuideStep):
+    """Hands its gradients to an optimizer whose variables the trainer does not
+    carry (read from the optimizer at trace time)."""
+
     def __init__(self):
         super().__init__()
         self.other_optimizer = keras.optimizers.SGD(0.1)
 
     def train_step(self, state, data):
         trainable, non_trainable, optimizer_variables, metrics_variables = state
-        self.other_optimizer.stateless_apply([], [], trainable)
+        x, y = data
+        self.other_optimizer.build(self.trainable_variables)
+        grad_fn = jax.value_and_grad(self.loss_and_updates, has_aux=True)
+        (_, (_, non_trainable)), grads = grad_fn(trainable, non_trainable, x, y)
+        trainable, _ = self.other_optimizer.stateless_apply(
+            [v.value for v in self.other_optimizer.variables], grads, trainable
+        )
+        return {}, (trainable, non_trainable, optimizer_variables, metrics_variables)
+
+
+class ComputedVariables(GuideStep):
+    """Hands the optimizer values computed from the state's variables."""
+
+    def train_step(self, state, data):
+        trainable, non_trainable, optimizer_variables, metrics_variables = state
+        x, y = data
+        grad_fn = jax.value_and_grad(self.loss_and_updates, has_aux=True)
+        (_, (_, non_trainable)), grads = grad_fn(trainable, non_trainable, x, y)
+        trainable, optimizer_variables = self.optimizer.stateless_apply(
+            optimizer_variables, grads, [t + 0.0 for t in trainable]
+        )
+        return {}, (trainable, non_trainable, optimizer_variables, metrics_variables)
+
+
+class OverlappingGan(TwoOptimizers):
+    """Hands net_a's first variables to both optimizers."""
+
+    def train_step(self, state, data):
+        trainable, non_trainable, optimizer_variables, metrics_variables = state
+        n_a, n_opt_a = len(self.net_a.trainable_variables), len(self.opt_a.variables)
+        zeros = [keras.ops.zeros_like(t) for t in trainable]
+        self.opt_a.stateless_apply(optimizer_variables[:n_opt_a], zeros[:n_a],
+                                   trainable[:n_a])
+        self.opt_b.stateless_apply(optimizer_variables[n_opt_a:], zeros[:2], trainable[:2])
         return {}, state
+
+
+def test_none_gradients_leave_their_variables_to_keras():
+    # AdamW decays every variable it receives a gradient for: the first layer's,
+    # handed `None`, must stay as they are, as in Keras's own step.
+    x, y = data(28)
+
+    def adamw():
+        return keras.optimizers.AdamW(0.05, weight_decay=0.5)
+
+    model = _compile(gradaccum.accumulate(make(FirstLayerFrozenByNone), steps=3), adamw())
+    model.fit(x, y, batch_size=5, epochs=1, shuffle=False, verbose=0)
+    reference = _reference(FirstLayerFrozenByNone, windows_of([5, 5, 5, 5, 5, 3], [3, 3]),
+                           x, y, adamw())
+    assert_weights_close(model, reference)
+    assert_optimizer_close(model.optimizer, reference.optimizer)
+    for before, after in zip(make().get_weights()[:2], model.get_weights()[:2]):
+        np.testing.assert_array_equal(after, before)
+    assert max_gap(model, make()) > 1e-2
+
+
+def test_loss_scaling_needs_the_whole_state_handed_to_the_model_optimizer():
+    x, y = data(10)
+    model = make(TwoOptimizers)
+    gradaccum.accumulate(model, steps=2)
+    model.compile(keras.optimizers.SGD(0.1), keras.optimizers.SGD(0.1),
+                  optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)))
+    with pytest.raises(ValueError, match=re.escape(
+        "On Keras's JAX backend gradaccum scales losses (a LossScaleOptimizer) for a "
+        "model's own `train_step` that hands all its gradients to the model's optimizer, "
+        "`self.optimizer`, with the state's optimizer variables. Received: "
+        "TwoOptimizers.train_step handing them to 2 optimizer(s), a LossScaleOptimizer "
+        "among them, or part of them."
+    )):
+        model.fit(x, y, batch_size=5, epochs=1, verbose=0)
 
 
 @pytest.mark.parametrize("cls, message", [
@@ -343,14 +528,30 @@ class SecondOptimizer(GuideStep):
     (OwnMetricsList, "gradaccum's state rides in the metric variables Keras's JAX trainer "
                      "carries (`model.metrics_variables`, from `model.metrics`). Received: "
                      "model"),
-    (SecondOptimizer, "On Keras's JAX backend gradaccum accumulates what a model's own "
-                      "`train_step` hands to the model's optimizer (`self.optimizer`, whose "
-                      "variables the JAX trainer carries). Received: a call of "
-                      "`self.other_optimizer.stateless_apply` in SecondOptimizer.train_step."),
+    (SecondOptimizer, "On Keras's JAX backend gradaccum applies each optimizer from the "
+                      "state the trainer carries: a model's own `train_step` must hand "
+                      "`self.other_optimizer.stateless_apply` its optimizer's variables "
+                      "from the step's `state` (Keras carries `self.optimizer`'s; a model "
+                      "with several optimizers carries theirs in that place, from its "
+                      "`_get_jax_state`). Received: optimizer variables that are not "
+                      "the state's in SecondOptimizer.train_step."),
+    (ComputedVariables, "A model's own `train_step` must hand "
+                        "`self.optimizer.stateless_apply` the trainable variables of the "
+                        "step's `state` as it received them, for gradaccum to update them "
+                        "when a window closes. Received: a value computed from them in "
+                        "ComputedVariables.train_step."),
+    (OverlappingGan, "Each trainable variable of a model's own `train_step` must be handed "
+                     "to one optimizer. Received: variable 0 of the state handed to "
+                     "`self.opt_a` and `self.opt_b` in OverlappingGan.train_step."),
 ])
 def test_a_step_that_does_not_hand_its_gradients_over_once(cls, message):
     x, y = data(10)
-    model = _compile(gradaccum.accumulate(make(cls), steps=2))
+    if issubclass(cls, TwoOptimizers):
+        model = make(cls)
+        gradaccum.accumulate(model, steps=2)
+        model.compile(keras.optimizers.SGD(0.1), keras.optimizers.SGD(0.1))
+    else:
+        model = _compile(gradaccum.accumulate(make(cls), steps=2))
     with pytest.raises(ValueError, match=re.escape(message)):
         model.fit(x, y, batch_size=5, epochs=1, verbose=0)
 

@@ -308,7 +308,8 @@ class Accumulation:
             return
         state = self.state
         logs.pop(ERROR_KEY, None)
-        logs["updates"] = float(self.host.optimizer.iterations.numpy())
+        counted = self.step.primary_optimizer if self.step else self.host.optimizer
+        logs["updates"] = float(counted.iterations.numpy())
         logs["window_micro_batches"] = float(state.last_window_micro_batches.numpy())
         logs["window_weight"] = float(state.last_window_weight.numpy())
         if self.micro_batch_size is not None and self.auto_size is not None:

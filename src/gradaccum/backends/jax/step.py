@@ -23,7 +23,7 @@ as on TensorFlow.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,7 @@ import keras
 from gradaccum import _fit_common
 from gradaccum import _keras_common as kc
 from gradaccum._validation import check_batch_dimensions
+from gradaccum.backends.jax.own_step import Applier, Handover, escaped, shares
 from gradaccum.backends.jax.state import AccumulationState
 from gradaccum.core.combine import combine
 from gradaccum.weighting import callable_weight
@@ -85,9 +86,10 @@ class TrainStep:
                 "`super().metrics + [...]` (or list your metrics in `compile`)."
             )
         optimizer = model.optimizer
-        self.iterations_slot = next(
-            i for i, v in enumerate(optimizer.variables) if v is optimizer.iterations
-        )
+        # Who applies the window: the model's optimizer on all the state, unless the
+        # model's own step hands its gradients to other optimizers or to part of it
+        # (read from the step as it is traced).
+        self.appliers = [Applier.whole(optimizer, len(model.trainable_variables))]
         self.variable_dtypes = [v.dtype for v in model.trainable_variables]
         # A LossScaleOptimizer: its own variables (step counter, scale) come first
         # among its variables, then the inner optimizer's.
@@ -178,31 +180,19 @@ class TrainStep:
     def own_micro_batch(self, trainable, non_trainable, optimizer_variables,
                         metrics_variables, ours, data):
         """`steps` mode with the model's own `train_step(state, data)`: it runs as
-        written, with the gradients it hands to `self.optimizer.stateless_apply`
+        written, with the gradients it hands to each optimizer's `stateless_apply`
         accumulated (the call returns the variables unchanged) and the window
-        applied with the optimizer when it closes."""
+        applied with those optimizers when it closes."""
         model = self.model
         options = self.options
         ours = dict(ours)
         entry = dict(ours)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         theirs = [i for i in range(len(metrics_variables)) if i not in self.slots.values()]
-        handed = []
-
-        def stateless_apply(optimizer_variables, grads, trainable_variables):
-            if handed:
-                raise ValueError(
-                    "On Keras's JAX backend a model's own `train_step` must hand its "
-                    "gradients to `self.optimizer.stateless_apply` once per step for "
-                    "gradaccum to accumulate them. Received: a second call in one step "
-                    f"of {type(model).__name__}.train_step."
-                )
-            returned = list(trainable_variables)
-            handed.append((list(grads), returned))
-            return returned, list(optimizer_variables)
+        step_name = f"{type(model).__name__}.train_step"
 
         self.normalizers.take()
-        with self.routing(stateless_apply):
+        with Handover(model).recording(self.state) as handover:
             logs, state = self.own_step(
                 (list(trainable), list(non_trainable), list(optimizer_variables),
                  [metrics_variables[i] for i in theirs]),
@@ -215,36 +205,32 @@ class TrainStep:
                 "compiled loss computes it; a model's own `train_step` that computes "
                 "its loss inside a JAX transformation of its own (`jax.checkpoint`, "
                 "`lax.scan`, `vmap`) keeps that value inside it. Received: a normalizer "
-                f"that escaped such a transformation in {type(model).__name__}.train_step. "
+                f"that escaped such a transformation in {step_name}. "
                 "Pass weighting='uniform' (equal micro-batches) or a `weighting` "
                 "callable of the micro-batch."
             )
-        if not handed:
+        if not handover.handed:
             raise ValueError(
                 f"The train_step of {type(model).__name__} must hand its gradients to "
                 "the model's optimizer (`self.optimizer.stateless_apply(...)`) for "
                 "gradaccum to accumulate them. Received: a step that did not call it, "
                 "so nothing would be trained."
             )
+        self.appliers, gradients = shares(handover.handed, trainable, optimizer_variables,
+                                          step_name)
+        self.check_loss_scaled_appliers(step_name)
         trainable_out, non_trainable_out, optimizer_out, metrics_out = state
-        gradients, returned = handed[0]
-        if any(a is not b for a, b in zip(trainable_out, returned)):
+        handed = set().union(*(a.variable_slots for a in self.appliers))
+        if any(trainable_out[i] is not trainable[i] for i in sorted(handed)):
             raise ValueError(
                 "A model's own `train_step` must return the trainable variables "
                 "`self.optimizer.stateless_apply` gave it, unchanged, for gradaccum to "
                 "apply the window's update: the update is made when a window closes, "
                 "so what the step does to the variables after that call would act on "
                 "the variables before it. Received: "
-                f"{type(model).__name__}.train_step changed them after the call (a "
+                f"{step_name} changed them after the call (a "
                 "clip or a constraint? put it in the layers' `kernel_constraint` or an "
                 "optimizer option)."
-            )
-        if len(gradients) != len(trainable):
-            raise ValueError(
-                "The gradients a model's own `train_step` hands to "
-                "`self.optimizer.stateless_apply` must be one per trainable variable of "
-                f"the model, in its order. Received: {len(gradients)} gradients for "
-                f"{len(trainable)} trainable variables."
             )
         weight = jax.lax.stop_gradient(
             self.micro_batch_weight(x, y, sample_weight, normalizers)
@@ -270,40 +256,23 @@ class TrainStep:
         return (dict(logs), *self.held(after, trainable, non_trainable, optimizer_variables,
                                        metrics_variables, entry, epoch_step))
 
-    @contextlib.contextmanager
-    def routing(self, stateless_apply):
-        """While the model's own step runs: its optimizer's `stateless_apply` is
-        `stateless_apply`, another optimizer's refuses, and gradaccum's state is
-        not among the model's metrics (the step updates those it finds)."""
+    def check_loss_scaled_appliers(self, step_name) -> None:
+        """Loss scaling (a `LossScaleOptimizer`) is applied as the model's optimizer
+        on its whole state: refused in another arrangement."""
         model = self.model
-        optimizer = model.optimizer
-        others = [
-            (name, value) for name, value in vars(model).items()
-            if isinstance(value, keras.optimizers.Optimizer) and value is not optimizer
-        ]
-
-        def refuse(name):
-            def stateless_apply(*args, **kwargs):
-                raise ValueError(
-                    "On Keras's JAX backend gradaccum accumulates what a model's own "
-                    "`train_step` hands to the model's optimizer (`self.optimizer`, whose "
-                    "variables the JAX trainer carries). Received: a call of "
-                    f"`self.{name}.stateless_apply` in {type(model).__name__}.train_step."
-                )
-            return stateless_apply
-
-        routed = [(optimizer, stateless_apply)] + [(o, refuse(n)) for n, o in others]
-        metrics = kc.model_metrics(model)
-        kept = list(metrics)
-        metrics[:] = [m for m in metrics if m is not self.state]
-        for target, function in routed:
-            target.stateless_apply = function
-        try:
-            yield
-        finally:
-            for target, _ in routed:
-                del target.stateless_apply
-            metrics[:] = kept
+        scaled = [a for a in self.appliers if kc.is_loss_scale_optimizer(a.optimizer)]
+        if not (scaled or self.loss_scaled):
+            return
+        whole = Applier.whole(model.optimizer, len(model.trainable_variables))
+        if len(self.appliers) != 1 or self.appliers[0][:3] != whole[:3]:
+            raise ValueError(
+                "On Keras's JAX backend gradaccum scales losses (a LossScaleOptimizer) "
+                "for a model's own `train_step` that hands all its gradients to the "
+                "model's optimizer, `self.optimizer`, with the state's optimizer "
+                f"variables. Received: {step_name} handing them to "
+                f"{len(self.appliers)} optimizer(s), a LossScaleOptimizer among them, "
+                "or part of them."
+            )
 
     def split_batch(self, trainable, non_trainable, optimizer_variables,
                     metrics_variables, ours, data, size):
@@ -609,28 +578,33 @@ class TrainStep:
         ours["term_ratios"] = jnp.where(opening, ratios, previous)
         return ours
 
-    def close(self, trainable, optimizer_variables, window, apply, close):
-        """The window after this micro-batch: applied with one optimizer update when
-        `apply`, reset when `close`."""
-        model = self.model
+    def close(self, trainable, optimizer_variables, window, apply, close, appliers=None):
+        """The window after this micro-batch: applied with one update of each
+        optimizer (`appliers`: the step's) when `apply`, reset when `close`."""
         n = len(trainable)
         options = self.options
+        appliers = self.appliers if appliers is None else appliers
 
         def update(operands):
             trainable, optimizer_variables, sums, total_weight = operands
             gradients = combine(sums, total_weight, options.reduction, self.variable_dtypes)
-            if not self.loss_scaled:
-                return model.optimizer.stateless_apply(
-                    list(optimizer_variables), gradients, list(trainable)
+            trainable, optimizer_variables = list(trainable), list(optimizer_variables)
+            for applier in appliers:
+                optimizer, slots = applier.optimizer, applier.optimizer_slots
+                if self.loss_scaled:
+                    # Unscaled and finite already: the inner optimizer applies them.
+                    optimizer = optimizer.inner_optimizer
+                    slots = [slots[i] for i in self.inner_slots]
+                places = applier.variable_slots
+                new_variables, new_optimizer = optimizer.stateless_apply(
+                    [optimizer_variables[i] for i in slots],
+                    [None if p in applier.no_gradient else gradients[p] for p in places],
+                    [trainable[p] for p in places],
                 )
-            # Unscaled and finite already: the inner optimizer applies them.
-            optimizer_variables = list(optimizer_variables)
-            trainable, inner = model.optimizer.inner_optimizer.stateless_apply(
-                [optimizer_variables[i] for i in self.inner_slots], gradients,
-                list(trainable),
-            )
-            for i, value in zip(self.inner_slots, inner):
-                optimizer_variables[i] = value
+                for p, value in zip(places, new_variables):
+                    trainable[p] = value
+                for i, value in zip(slots, new_optimizer):
+                    optimizer_variables[i] = value
             return trainable, optimizer_variables
 
         def keep(operands):
@@ -678,7 +652,9 @@ class TrainStep:
         """`updates`, `window_micro_batches`, `window_weight`, `skipped` and the
         step's error for the hook, read in the jitted step."""
         logs = {
-            "updates": optimizer_variables[self.iterations_slot].astype("float32"),
+            "updates": optimizer_variables[self.appliers[0].iterations_slot()].astype(
+                "float32"
+            ),
             "window_micro_batches": ours["last_window_micro_batches"].astype("float32"),
             "window_weight": ours["last_window_weight"].astype("float32"),
         }
@@ -701,20 +677,33 @@ class TrainStep:
         outside the step."""
         model = self.model
         trainable = [v.value for v in model.trainable_variables]
-        optimizer_variables = [v.value for v in model.optimizer.variables]
+        # Each optimizer's own variables in turn (the state the trainer carried
+        # them in is the model's business).
+        carried, appliers = [], []
+        for applier in self.appliers:
+            appliers.append(applier.renumbered(len(carried)))
+            carried += list(applier.optimizer.variables)
+        optimizer_variables = [v.value for v in carried]
         window = {name: v.value for name, v in self.state.named().items()}
         has = window["micro_step"] > 0
         applied = jnp.asarray(apply) & has
-        trainable, optimizer_variables, window = jax.jit(self.close)(
+        close = functools.partial(self.close, appliers=appliers)
+        trainable, optimizer_variables, window = jax.jit(close)(
             trainable, optimizer_variables, window, applied, jnp.asarray(True)
         )
         for v, value in zip(model.trainable_variables, trainable):
             v.assign(value)
-        for v, value in zip(model.optimizer.variables, optimizer_variables):
+        for v, value in zip(carried, optimizer_variables):
             v.assign(value)
         for name, v in self.state.named().items():
             v.assign(window[name])
         return bool(applied)
+
+    @property
+    def primary_optimizer(self):
+        """The optimizer whose updates `updates` counts: the model's, or the first
+        its own step hands gradients to (a GAN's first)."""
+        return self.appliers[0].optimizer
 
 
 # The log entry that carries the step's error to fit's hook (which removes it).
@@ -734,22 +723,6 @@ def batch_size(data) -> int:
         )
     check_batch_dimensions([t.shape[0] for t in leaves], [t.shape for t in leaves])
     return int(leaves[0].shape[0])
-
-
-def escaped(value) -> bool:
-    """Whether `value` is a tracer of another trace than the step's own (it leaked
-    out of a `jax.checkpoint`, say, whose jaxpr cannot give it to the step)."""
-    if not isinstance(value, jax.core.Tracer):
-        return False
-    try:
-        from jax._src.core import trace_ctx
-    except ImportError:  # a JAX without it: nothing to tell
-        return False
-    trace = getattr(value, "_trace", None)
-    is_valid = getattr(trace, "is_valid", None)
-    if callable(is_valid) and not is_valid():
-        return True
-    return trace is not trace_ctx.trace
 
 
 def kept_unless_accepted(new, old, before, after):
