@@ -395,3 +395,31 @@ def test_fit_with_no_epoch_left_to_run_is_not_an_error():
     model.compile("sgd", SCE)
     history = model.fit(*make_data(8), batch_size=2, epochs=2, initial_epoch=2, verbose=0)
     assert history.history == {} and int(model.optimizer.iterations) == 0
+
+
+def test_an_optimizer_applied_twice_per_batch_is_warned_about_once_per_fit():
+    x, y = make_data(32)
+    model = _two_heads("twice", accumulate_steps=4)
+    message = (
+        "TwoHeadsModel.train_step applies `self.optimizer` 2 times per batch to the same "
+        "variables. gradaccum gives each call its own accumulator: a window makes 2 "
+        "updates with it, each from the gradients its call took at the weights the "
+        "window started from. Training on the window as one batch would compute each "
+        "call's gradients after the previous update, so the results differ (a WGAN "
+        "critic trained several times per step: train it once per batch and let more "
+        "batches reach it instead)."
+    )
+    for _ in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+        assert [str(w.message) for w in caught if "times per batch" in str(w.message)] == [
+            message
+        ]
+    # Two windows of 4 micro-batches an epoch, 2 updates each: 16 after two fits.
+    assert int(model.optimizer.iterations) == 16
+    once = _two_heads("list", accumulate_steps=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        once.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    assert not [w for w in caught if "times per batch" in str(w.message)]

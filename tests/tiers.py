@@ -85,6 +85,9 @@ FEATURES = {
         "test_distribute.py::test_one_cross_replica_reduction_per_update_in_a_custom_loop",
     "sparse gradients (IndexedSlices)":
         "test_sparse.py::test_fit_with_an_embedding_equals_the_large_batch",
+    "sparse gradients with repeated rows: the optimizer gets the gradient's math":
+        "test_sparse.py::test_every_optimizer_receives_the_dense_math_of_repeated_rows"
+        "[adam-steps_1]",
     "KerasHub task with LoRA":
         "test_accumulate_hub.py::test_gpt2_lora_accumulates_only_the_lora_parameters",
     "the seed experiment's CLI":
@@ -180,6 +183,31 @@ SLOW = [
     "test_split.py::test_auto_in_a_process_that_runs_out_of_memory_equals_an_uninterrupted_run",
     # KerasHub tasks but the LoRA one.
     "test_accumulate_hub.py",
+    # Sparse gradients: each optimizer in each mode (the fast tier keeps Adam at steps=1).
+    "test_sparse.py::test_every_optimizer_receives_the_dense_math_of_repeated_rows[adam-steps_2]",
+    "test_sparse.py::test_every_optimizer_receives_the_dense_math_of_repeated_rows[adam-split]",
+    "test_sparse.py::test_every_optimizer_receives_the_dense_math_of_repeated_rows[adam-own_step]",
+    "test_sparse.py::test_every_optimizer_receives_the_dense_math_of_repeated_rows[adamw-steps_1]",
+    "test_sparse.py::test_every_optimizer_receives_the_dense_math_of_repeated_rows[adamw-steps_2]",
+    "test_sparse.py::test_every_optimizer_receives_the_dense_math_of_repeated_rows[adamw-split]",
+    "test_sparse.py::test_every_optimizer_receives_the_dense_math_of_repeated_rows[adamw-own_step]",
+    "test_sparse.py::test_every_optimizer_receives_the_dense_math_of_repeated_rows[rmsprop-steps_1]",
+    "test_sparse.py::test_every_optimizer_receives_the_dense_math_of_repeated_rows[rmsprop-steps_2]",
+    "test_sparse.py::test_every_optimizer_receives_the_dense_math_of_repeated_rows[rmsprop-split]",
+    "test_sparse.py::test_every_optimizer_receives_the_dense_math_of_repeated_rows[rmsprop-own_step]",
+    "test_sparse.py::test_every_optimizer_receives_the_dense_math_of_repeated_rows[adagrad-steps_1]",
+    "test_sparse.py::test_every_optimizer_receives_the_dense_math_of_repeated_rows[adagrad-steps_2]",
+    "test_sparse.py::test_every_optimizer_receives_the_dense_math_of_repeated_rows[adagrad-split]",
+    "test_sparse.py::test_every_optimizer_receives_the_dense_math_of_repeated_rows[adagrad-own_step]",
+    "test_sparse.py::test_every_optimizer_receives_the_dense_math_of_repeated_rows[adafactor-steps_1]",
+    "test_sparse.py::test_every_optimizer_receives_the_dense_math_of_repeated_rows[adafactor-steps_2]",
+    "test_sparse.py::test_every_optimizer_receives_the_dense_math_of_repeated_rows[adafactor-split]",
+    "test_sparse.py::test_every_optimizer_receives_the_dense_math_of_repeated_rows[adafactor-own_step]",
+    "test_sparse.py::test_every_optimizer_receives_the_dense_math_of_repeated_rows[lion-steps_1]",
+    "test_sparse.py::test_every_optimizer_receives_the_dense_math_of_repeated_rows[lion-steps_2]",
+    "test_sparse.py::test_every_optimizer_receives_the_dense_math_of_repeated_rows[lion-split]",
+    "test_sparse.py::test_every_optimizer_receives_the_dense_math_of_repeated_rows[lion-own_step]",
+    "test_sparse.py::test_two_replicas_hand_adam_the_dense_math",
     # Several replicas: the fast tier keeps the two FEATURES rows.
     "test_replicas.py",
     "test_distribute.py",
@@ -261,6 +289,7 @@ MULTI_DEVICE = [
     "test_schedules.py::test_a_two_optimizer_own_step_on_two_replicas_with_a_schedule",
     "test_split.py::test_two_replicas_each_split_their_share_with_one_reduction_per_batch",
     "test_split.py::test_auto_on_two_replicas_rolls_back_every_replica",
+    "test_sparse.py::test_two_replicas_hand_adam_the_dense_math",
 ]
 
 SUBPROCESS = [

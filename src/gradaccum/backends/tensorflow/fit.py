@@ -17,6 +17,8 @@ callback that runs first among `fit`'s callbacks (`hook.py`).
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import tensorflow as tf
 
@@ -86,6 +88,7 @@ class Accumulation:
         self.resumable = False
         self._end_of_data_function = None
         self._inexact_warned = False
+        self._repeat_warned = False
         self._pending = {}
         # The host's own `train_step` (bound; None: gradaccum's exact step), and
         # what runs it with its optimizer calls accumulated.
@@ -211,6 +214,7 @@ class Accumulation:
         host = self.host
         self._verbose = verbose
         hook = EpochHook(self)
+        self._repeat_warned = False
         callbacks = _fit_common.begin_fit(self, hook, epochs, callbacks, kwargs)
         with kc.across_workers(host), kc.observing_epoch_length(host, hook):
             return fit(
@@ -370,6 +374,15 @@ class Accumulation:
             return
         self._inexact_warned = True
         _fit_common.warn_inexact()
+
+    def warn_if_repeated(self) -> None:
+        """Once per fit: the model's step applies an optimizer several times per
+        batch (`OwnStep.repeat_warning`)."""
+        message = self.own_step.repeat_warning()
+        if message is None or self._repeat_warned:
+            return
+        self._repeat_warned = True
+        warnings.warn(message, stacklevel=3)
 
     def warn_if_skipped(self) -> None:
         state = self.state

@@ -72,6 +72,7 @@ class EpochHook(keras.callbacks.Callback):
         _logs.write(accumulation, logs)
         accumulation.warn_if_inexact()
         accumulation.warn_if_skipped()
+        accumulation.warn_if_repeated()
 
     def on_train_end(self, logs=None):
         self._accumulation.value.end_of_data()

@@ -38,6 +38,25 @@ def optimizers_of(model) -> list:
     return found
 
 
+def attribute_of(model, optimizer_id) -> str:
+    """The name `model` reaches an optimizer by (`optimizer`, `d_optimizer`, or
+    `extra[0]` for one kept in a list)."""
+    if id(getattr(model, "optimizer", None)) == optimizer_id:
+        return "optimizer"
+    for name, value in vars(model).items():
+        if id(value) == optimizer_id:
+            return name
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if id(item) == optimizer_id:
+                    return f"{name}[{key!r}]"
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                if id(item) == optimizer_id:
+                    return f"{name}[{index}]"
+    return "optimizer"
+
+
 def _scaled(gradient, factor):
     if gradient is None:
         return None
@@ -65,6 +84,9 @@ class OwnStep:
         self._users = 0
         # The optimizers the step handed gradients to, in order.
         self.handed = []
+        # The optimizers the traced step applied more than once per batch to the
+        # same variables: (the model's attribute, calls per batch).
+        self.repeated = []
 
     def run(self, own_step, data):
         """`own_step(data)` (the model's bound `train_step`) with its optimizer calls
@@ -86,6 +108,7 @@ class OwnStep:
         finally:
             self._end_route()
         local.micro_batch = None
+        self._note_repeats(host, local.calls_in_step)
         if not local.intercepted:
             raise ValueError(
                 f"The train_step of {type(host).__name__} must hand its gradients to an "
@@ -95,6 +118,34 @@ class OwnStep:
                 "nothing would be trained."
             )
         return logs
+
+    def _note_repeats(self, host, calls_in_step) -> None:
+        """Records the optimizers the step (being traced) applied several times per
+        batch to the same variables, for `repeat_warning`."""
+        for (optimizer_id, _), count in calls_in_step.items():
+            if count < 2:
+                continue
+            name = attribute_of(host, optimizer_id)
+            if (name, count) not in self.repeated:
+                self.repeated.append((name, count))
+
+    def repeat_warning(self) -> str | None:
+        """What fit warns about, once per fit, when the model's step applies an
+        optimizer several times per batch (None: it does not)."""
+        if not self.repeated:
+            return None
+        host = self._accumulation.host
+        name, count = self.repeated[0]
+        return (
+            f"{type(host).__name__}.train_step applies `self.{name}` {count} times per "
+            "batch to the same variables. gradaccum gives each call its own "
+            f"accumulator: a window makes {count} updates with it, each from the "
+            "gradients its call took at the weights the window started from. "
+            "Training on the window as one batch would compute each call's gradients "
+            "after the previous update, so the results differ (a WGAN critic trained "
+            "several times per step: train it once per batch and let more batches "
+            "reach it instead)."
+        )
 
     def _route(self, optimizers) -> None:
         """Routes each optimizer's `apply` (which `apply_gradients` calls) to the
