@@ -159,6 +159,12 @@ SLOW = [
     "test_a_gan_s_two_optimizers_each_update_once_per_window[generator]",
     "jax_backend/test_jax_own_step.py::test_none_gradients_leave_their_variables_to_keras",
     "jax_backend/test_jax_own_step.py::"
+    "test_optimizers_kept_in_a_list_each_update_once_per_window",
+    "jax_backend/test_jax_own_step.py::"
+    "test_a_restored_window_of_an_own_step_not_run_since_is_not_applied_by_guess",
+    "jax_backend/test_jax_own_step.py::"
+    "test_disable_after_load_applies_the_window_of_keras_default_step",
+    "jax_backend/test_jax_own_step.py::"
     "test_a_rematerialized_loss_is_exact_with_a_uniform_weighting",
     "jax_backend/test_jax_accumulate.py::"
     "test_a_skipped_micro_batch_leaves_the_batch_statistics_as_they_were",

@@ -115,6 +115,25 @@ def is_optimizer(optimizer) -> bool:
     return isinstance(optimizer, keras.optimizers.Optimizer)
 
 
+def named_optimizers(model) -> list:
+    """The Keras optimizers a model holds, each once, with the name the model reaches
+    it by: `optimizer` first, then its other attributes (a GAN's `d_optimizer`), and
+    those kept in a list or dict attribute (`opts[1]`, `extra['b']`)."""
+    candidates = [("optimizer", getattr(model, "optimizer", None))]
+    for name, value in vars(model).items():
+        if isinstance(value, dict):
+            candidates += [(f"{name}[{key!r}]", item) for key, item in value.items()]
+        elif isinstance(value, (list, tuple)):
+            candidates += [(f"{name}[{index}]", item) for index, item in enumerate(value)]
+        else:
+            candidates.append((name, value))
+    found = []
+    for name, optimizer in candidates:
+        if is_optimizer(optimizer) and all(optimizer is not other for _, other in found):
+            found.append((name, optimizer))
+    return found
+
+
 def is_loss_scale_optimizer(optimizer) -> bool:
     return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
 

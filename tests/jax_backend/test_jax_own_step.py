@@ -348,6 +348,83 @@ def test_a_gan_s_two_optimizers_each_update_once_per_window(source):
     assert history.history["updates"][-1] == updates
     assert {"loss_a", "loss_b"} <= set(history.history)
 
+class OptimizersInAList(TwoOptimizers):
+    """Keeps its two optimizers in a list attribute."""
+
+    def compile(self, opt_a, opt_b, **kwargs):
+        keras.Model.compile(self, **kwargs)
+        self.pair = [opt_a, opt_b]
+        opt_a.build(self.net_a.trainable_variables)
+        opt_b.build(self.net_b.trainable_variables)
+
+    opt_a = property(lambda self: self.pair[0])
+    opt_b = property(lambda self: self.pair[1])
+
+
+def test_optimizers_kept_in_a_list_each_update_once_per_window():
+    x, y = data(28)
+    model = make(OptimizersInAList)
+    gradaccum.accumulate(model, steps=3)
+    model.compile(keras.optimizers.Adam(0.05), keras.optimizers.SGD(0.2, momentum=0.5))
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    reference = make(OptimizersInAList)
+    reference.compile(keras.optimizers.Adam(0.05), keras.optimizers.SGD(0.2, momentum=0.5))
+    for index in windows_of([4] * 7, [3, 3, 1]):
+        reference.fit(x[index], y[index], batch_size=len(index), shuffle=False, verbose=0)
+    assert_weights_close(model, reference)
+    assert_optimizer_close(model.opt_b, reference.opt_b)
+    assert int(model.opt_a.iterations) == int(model.opt_b.iterations) == 3
+
+
+def test_a_restored_window_of_an_own_step_not_run_since_is_not_applied_by_guess(tmp_path):
+    # Which optimizers apply an own step's window is read from the step as it runs:
+    # a window restored and flushed before any step ran must not go to the
+    # compiled default optimizer the step never uses.
+    x, y = data(8)
+    path = str(tmp_path / "gan.weights.h5")
+    first = _gan(dict(steps=3, partial="carry"))
+    first.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert accumulation_of(first).open_micro_batches() == 2
+    first.save_weights(path)
+    second = _gan(dict(steps=3))
+    second.optimizer.build(second.trainable_variables)
+    second.load_weights(path)
+    before = second.get_weights()
+    with pytest.warns(UserWarning, match=re.escape(
+        "gradaccum cannot apply the open window (2 micro-batches) of TwoOptimizers here: "
+        "which optimizers apply a model's own `train_step` is read from the step when it "
+        "first runs in this process"
+    )):
+        gradaccum.disable(second)
+    for a, b in zip(second.get_weights(), before):
+        np.testing.assert_array_equal(a, b)
+    assert int(second.optimizer.iterations) == 0
+
+
+def test_disable_after_load_applies_the_window_of_keras_default_step(tmp_path):
+    x, y = data(10)
+    path = str(tmp_path / "mlp.weights.h5")
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                              keras.layers.Dense(3)])
+    model.set_weights(make().get_weights())
+    _compile(gradaccum.accumulate(model, steps=3, partial="carry"))
+    model.fit(x, y, batch_size=5, epochs=1, shuffle=False, verbose=0)
+    model.save_weights(path)
+    restored = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                                 keras.layers.Dense(3)])
+    _compile(gradaccum.accumulate(restored, steps=3))
+    restored.optimizer.build(restored.trainable_variables)
+    restored.load_weights(path)
+    assert accumulation_of(restored).open_micro_batches() == 2
+    gradaccum.disable(restored)
+    reference = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                                  keras.layers.Dense(3)])
+    reference.set_weights(make().get_weights())
+    _compile(reference).fit(x, y, batch_size=10, shuffle=False, verbose=0)
+    assert_weights_close(restored, reference)
+    assert int(restored.optimizer.iterations) == 1
+
+
 class FirstLayerFrozenByNone(GuideStep):
     """Hands `None` for the first layer's gradients (Keras's optimizer skips them)."""
 
@@ -460,6 +537,16 @@ class ComputedVariables(GuideStep):
         return {}, (trainable, non_trainable, optimizer_variables, metrics_variables)
 
 
+class OwnOptimizerChange(GuideStep):
+    """Returns optimizer variables of its own making."""
+
+    def train_step(self, state, data):
+        logs, (trainable, non_trainable, optimizer_variables, metrics) = super().train_step(
+            state, data)
+        return logs, (trainable, non_trainable, [v + 0 for v in optimizer_variables],
+                      metrics)
+
+
 class OverlappingGan(TwoOptimizers):
     """Hands net_a's first variables to both optimizers."""
 
@@ -492,6 +579,19 @@ def test_none_gradients_leave_their_variables_to_keras():
     assert max_gap(model, make()) > 1e-2
 
 
+def test_a_second_optimizer_that_accumulates_itself_is_refused():
+    x, y = data(10)
+    model = make(TwoOptimizers)
+    gradaccum.accumulate(model, steps=2)
+    model.compile(keras.optimizers.SGD(0.1),
+                  keras.optimizers.SGD(0.1, gradient_accumulation_steps=2))
+    with pytest.raises(ValueError, match=re.escape(
+        "The optimizer must not accumulate gradients itself when gradaccum does. "
+        "Received: gradient_accumulation_steps=2."
+    )):
+        model.fit(x, y, batch_size=5, epochs=1, verbose=0)
+
+
 def test_loss_scaling_needs_the_whole_state_handed_to_the_model_optimizer():
     x, y = data(10)
     model = make(TwoOptimizers)
@@ -516,8 +616,8 @@ def test_loss_scaling_needs_the_whole_state_handed_to_the_model_optimizer():
                    "gradients to `self.optimizer.stateless_apply` once per step for "
                    "gradaccum to accumulate them. Received: a second call in one step of "
                    "TwiceApplied.train_step."),
-    (Clipped, "A model's own `train_step` must return the trainable variables "
-              "`self.optimizer.stateless_apply` gave it, unchanged, for gradaccum to apply "
+    (Clipped, "A model's own `train_step` must return the trainable variables each "
+              "optimizer's `stateless_apply` gave it, unchanged, for gradaccum to apply "
               "the window's update"),
     (Rematerialized, "weighting='exact' reads each micro-batch's loss normalizer where the "
                      "compiled loss computes it; a model's own `train_step` that computes its "
@@ -543,6 +643,10 @@ def test_loss_scaling_needs_the_whole_state_handed_to_the_model_optimizer():
     (OverlappingGan, "Each trainable variable of a model's own `train_step` must be handed "
                      "to one optimizer. Received: variable 0 of the state handed to "
                      "`self.opt_a` and `self.opt_b` in OverlappingGan.train_step."),
+    (OwnOptimizerChange, "A model's own `train_step` must return the optimizer variables "
+                         "of its state as the optimizers' `stateless_apply` gave them "
+                         "back: gradaccum updates them when a window closes. Received: "
+                         "OwnOptimizerChange.train_step returned others"),
 ])
 def test_a_step_that_does_not_hand_its_gradients_over_once(cls, message):
     x, y = data(10)

@@ -267,10 +267,14 @@ class Accumulation:
     def end_of_data(self) -> None:
         """The data ended: the open window is flushed or dropped as `partial` says
         (kept with `"carry"`)."""
-        if self.state is None or self.step is None or self.options.partial == "carry":
+        if self.state is None or self.options.partial == "carry":
             return
         if self.open_micro_batches() == 0:
             return
+        if self.step is None:
+            # A window restored (load_weights) and not trained on since.
+            self.step = TrainStep(self.host, self.options, self.state, self.normalizers,
+                                  own_step=self.own_train_step)
         self.step.close_eagerly(apply=self.options.partial == "flush")
 
     def after_train_on_batch(self, logs):

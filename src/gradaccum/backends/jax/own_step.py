@@ -1,7 +1,8 @@
 """What a model's own JAX `train_step(state, data)` hands to its optimizers.
 
-While the step runs, every optimizer the model holds (`self.optimizer`, and a GAN's
-`self.g_optimizer` / `self.d_optimizer`) has its `stateless_apply` replaced by a
+While the step runs, every optimizer the model holds (`self.optimizer`, a GAN's
+`self.g_optimizer` / `self.d_optimizer`, one in a list or dict attribute) has its
+`stateless_apply` replaced by a
 recorder (`Handover`): it keeps the gradients, the trainable variables and the
 optimizer variables handed to it, and gives the variables back unchanged. `shares`
 then finds each handed array in the state the trainer carries (by identity: the
@@ -19,9 +20,9 @@ import contextlib
 from typing import NamedTuple
 
 import jax
-import keras
 
 from gradaccum import _keras_common as kc
+from gradaccum._validation import check_optimizer
 
 
 class Applier(NamedTuple):
@@ -54,6 +55,17 @@ class Applier(NamedTuple):
         return self._replace(optimizer_slots=tuple(range(start, start + count)))
 
 
+class Handed(NamedTuple):
+    """One `stateless_apply` call of the step: the optimizer, the name the model
+    reaches it by, and what the step handed it."""
+
+    optimizer: object
+    name: str
+    optimizer_variables: list
+    gradients: list
+    trainable_variables: list
+
+
 class Handover:
     """Records what the model's own step hands to each optimizer's
     `stateless_apply` (at most once per optimizer and step).
@@ -66,21 +78,9 @@ class Handover:
         self.model = model
         self.handed = []
 
-    def optimizers(self) -> list:
-        """The model's optimizers, with the attribute each is reached by:
-        `optimizer` first, then those the model's own attributes hold."""
-        model = self.model
-        found = [("optimizer", model.optimizer)]
-        seen = {id(model.optimizer)}
-        for name, value in vars(model).items():
-            if isinstance(value, keras.optimizers.Optimizer) and id(value) not in seen:
-                seen.add(id(value))
-                found.append((name, value))
-        return found
-
     def recorder(self, name, optimizer):
         def stateless_apply(optimizer_variables, grads, trainable_variables):
-            if any(entry[0] is optimizer for entry in self.handed):
+            if any(entry.optimizer is optimizer for entry in self.handed):
                 raise ValueError(
                     "On Keras's JAX backend a model's own `train_step` must hand its "
                     f"gradients to `self.{name}.stateless_apply` once per step for "
@@ -88,8 +88,8 @@ class Handover:
                     f"of {type(self.model).__name__}.train_step."
                 )
             returned = list(trainable_variables)
-            self.handed.append((optimizer, name, list(optimizer_variables), list(grads),
-                                returned))
+            self.handed.append(Handed(optimizer, name, list(optimizer_variables),
+                                      list(grads), returned))
             return returned, list(optimizer_variables)
 
         return stateless_apply
@@ -99,7 +99,7 @@ class Handover:
         """While the step runs: each optimizer's `stateless_apply` records, and the
         metric `hidden` (gradaccum's state) is not among the model's metrics (the
         step updates those it finds)."""
-        routed = self.optimizers()
+        routed = kc.named_optimizers(self.model)
         metrics = kc.model_metrics(self.model)
         kept = list(metrics)
         metrics[:] = [m for m in metrics if m is not hidden]
@@ -123,6 +123,7 @@ def shares(handed, trainable, optimizer_variables, step_name):
     owner = {}
     appliers = []
     for optimizer, name, handed_optimizer, grads, variables in handed:
+        check_optimizer(optimizer)
         if len(grads) != len(variables):
             raise ValueError(
                 f"The gradients a model's own `train_step` hands to `self.{name}."

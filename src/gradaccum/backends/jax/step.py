@@ -24,6 +24,7 @@ as on TensorFlow.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -90,6 +91,7 @@ class TrainStep:
         # model's own step hands its gradients to other optimizers or to part of it
         # (read from the step as it is traced).
         self.appliers = [Applier.whole(optimizer, len(model.trainable_variables))]
+        self.appliers_known = own_step is None
         self.variable_dtypes = [v.dtype for v in model.trainable_variables]
         # A LossScaleOptimizer: its own variables (step counter, scale) come first
         # among its variables, then the inner optimizer's.
@@ -218,19 +220,30 @@ class TrainStep:
             )
         self.appliers, gradients = shares(handover.handed, trainable, optimizer_variables,
                                           step_name)
+        self.appliers_known = True
         self.check_loss_scaled_appliers(step_name)
         trainable_out, non_trainable_out, optimizer_out, metrics_out = state
-        handed = set().union(*(a.variable_slots for a in self.appliers))
-        if any(trainable_out[i] is not trainable[i] for i in sorted(handed)):
+        updated = set().union(*(a.variable_slots for a in self.appliers))
+        if any(trainable_out[i] is not trainable[i] for i in sorted(updated)):
             raise ValueError(
-                "A model's own `train_step` must return the trainable variables "
-                "`self.optimizer.stateless_apply` gave it, unchanged, for gradaccum to "
+                "A model's own `train_step` must return the trainable variables each "
+                "optimizer's `stateless_apply` gave it, unchanged, for gradaccum to "
                 "apply the window's update: the update is made when a window closes, "
                 "so what the step does to the variables after that call would act on "
                 "the variables before it. Received: "
                 f"{step_name} changed them after the call (a "
                 "clip or a constraint? put it in the layers' `kernel_constraint` or an "
                 "optimizer option)."
+            )
+        if len(optimizer_out) != len(optimizer_variables) or any(
+            a is not b for a, b in zip(optimizer_out, optimizer_variables)
+        ):
+            raise ValueError(
+                "A model's own `train_step` must return the optimizer variables of its "
+                "state as the optimizers' `stateless_apply` gave them back: gradaccum "
+                "updates them when a window closes. Received: "
+                f"{step_name} returned others (an optimizer gradaccum does not reach "
+                "as an attribute of the model, or a change of its own?)."
             )
         weight = jax.lax.stop_gradient(
             self.micro_batch_weight(x, y, sample_weight, normalizers)
@@ -264,7 +277,12 @@ class TrainStep:
         if not (scaled or self.loss_scaled):
             return
         whole = Applier.whole(model.optimizer, len(model.trainable_variables))
-        if len(self.appliers) != 1 or self.appliers[0][:3] != whole[:3]:
+        applier = self.appliers[0]
+        if len(self.appliers) != 1 or (
+            applier.optimizer is not whole.optimizer
+            or applier.optimizer_slots != whole.optimizer_slots
+            or applier.variable_slots != whole.variable_slots
+        ):
             raise ValueError(
                 "On Keras's JAX backend gradaccum scales losses (a LossScaleOptimizer) "
                 "for a model's own `train_step` that hands all its gradients to the "
@@ -676,6 +694,19 @@ class TrainStep:
         it when `apply` and it holds an accepted micro-batch): the end of the data,
         outside the step."""
         model = self.model
+        if not self.appliers_known:
+            open_micro_batches = int(self.state.micro_step.numpy())
+            if open_micro_batches:
+                warnings.warn(
+                    f"gradaccum cannot apply the open window ({open_micro_batches} "
+                    f"micro-batches) of {type(model).__name__} here: which optimizers "
+                    "apply a model's own `train_step` is read from the step when it "
+                    "first runs in this process, and it has not run since the window "
+                    "was restored. The window is left unapplied (kept while the "
+                    "model accumulates; `gradaccum.disable` drops it).",
+                    stacklevel=4,
+                )
+            return False
         trainable = [v.value for v in model.trainable_variables]
         # Each optimizer's own variables in turn (the state the trainer carried
         # them in is the model's business).
