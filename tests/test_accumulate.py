@@ -189,6 +189,48 @@ def test_two_optimizers_each_update_once_per_window():
     assert any(o is model.opt_a for o in owners) and any(o is model.opt_b for o in owners)
 
 
+class TwoOptimizersBatchNorm(TwoOptimizers):
+    """TwoOptimizers whose first network starts with gradaccum's window-aware
+    BatchNormalization (its scale and offset trained by `opt_a`)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.net_a = keras.Sequential(
+            [gradaccum.BatchNormalization(momentum=0.8), keras.layers.Dense(8, activation="tanh"),
+             keras.layers.Dense(3)], name="net_a",
+        )
+
+
+def test_window_aware_batch_norm_with_two_optimizers_moves_once_per_window():
+    # 40 samples in micro-batches of 4, steps=3: windows of 12, 12, 12 and 4 samples.
+    x, y = data(40)
+    model = seeded(TwoOptimizersBatchNorm())
+    moving = [w.numpy() for w in model.net_a.layers[0].non_trainable_weights]
+    gradaccum.accumulate(model, steps=3)
+    model.compile(keras.optimizers.Adam(0.05), keras.optimizers.SGD(0.2, momentum=0.5))
+    model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    assert int(model.opt_a.iterations) == int(model.opt_b.iterations) == 8
+
+    reference = keras.layers.BatchNormalization(momentum=0.8)
+    reference.build((None, 6))
+    for variable, value in zip(reference.non_trainable_weights, moving):
+        variable.assign(value)
+    for _ in range(2):
+        for window in (np.r_[0:12], np.r_[12:24], np.r_[24:36], np.r_[36:40]):
+            reference(x[window], training=True)
+    layer = model.net_a.layers[0]
+    np.testing.assert_allclose(layer.moving_mean.numpy(), reference.moving_mean.numpy(),
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(layer.moving_variance.numpy(),
+                               reference.moving_variance.numpy(), rtol=1e-5, atol=1e-6)
+    # Keras's layer moves on every micro-batch: 20 moves, not 8.
+    keras_model = seeded(TwoOptimizersBatchNorm())
+    keras_model.compile(keras.optimizers.Adam(0.05), keras.optimizers.SGD(0.2, momentum=0.5))
+    keras_model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    assert np.abs(keras_model.net_a.layers[0].moving_mean.numpy()
+                  - reference.moving_mean.numpy()).max() > 1e-3
+
+
 # Bad input ----------------------------------------------------------------------------
 
 

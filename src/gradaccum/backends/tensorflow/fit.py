@@ -52,7 +52,7 @@ class Options(CoreOptions):
     window_rule = _window.WindowRule
 
     def accumulator(self, variables, *, layers=None, name="gradient_accumulator"):
-        return GradientAccumulator(
+        accumulator = GradientAccumulator(
             variables,
             steps=self.window,
             reduction=self.reduction,
@@ -61,6 +61,14 @@ class Options(CoreOptions):
             nonfinite=self.nonfinite,
             name=name,
         )
+        # A new accumulator's window is empty: so are the windows of the layers it
+        # drives. Whatever their state variables held (values left by an earlier
+        # accumulation, or written by `set_weights`, whose list includes them) would
+        # otherwise be pooled into the first window. A saved window is restored
+        # afterwards (`Accumulation.restore_pending`), with the accumulator's.
+        for layer in accumulator.batch_normalization_layers:
+            layer._reset_window()
+        return accumulator
 
 
 def check_model(model) -> None:
