@@ -112,6 +112,10 @@ FEATURES = {
     "JAX: a model's own stateless train_step":
         "jax_backend/test_jax_own_step.py::"
         "test_the_guides_step_equals_the_class_trained_on_the_windows[adam]",
+    "gradaccum.audit: a model without causes is exact and left as it was":
+        "test_audit.py::test_a_model_without_causes_is_exact_and_left_as_it_was",
+    "JAX: gradaccum.audit":
+        "jax_backend/test_jax_audit.py::test_a_model_without_causes_is_exact_and_left_as_it_was",
     "JAX: a GAN's two optimizers in its own stateless train_step":
         "jax_backend/test_jax_own_step.py::"
         "test_a_gan_s_two_optimizers_each_update_once_per_window[arrays]",
@@ -214,6 +218,18 @@ SLOW = [
     "test_sparse.py::test_every_optimizer_receives_the_dense_math_of_repeated_rows[lion-split]",
     "test_sparse.py::test_every_optimizer_receives_the_dense_math_of_repeated_rows[lion-own_step]",
     "test_sparse.py::test_two_replicas_hand_adam_the_dense_math",
+    # gradaccum.audit: the fast tier keeps the exact case and the bad inputs.
+    "test_audit.py::test_dropout_and_batch_normalization_are_named",
+    "test_audit.py::test_a_loss_term_summed_over_the_batch_is_named",
+    "test_audit.py::test_uniform_weighting_with_unequal_micro_batches_is_named",
+    "test_audit.py::test_sample_weights_and_an_own_compute_loss_are_exact",
+    "test_audit.py::test_a_keras_hub_task_on_strings_is_exact",
+    "jax_backend/test_jax_audit.py::test_dropout_and_batch_normalization_are_named",
+    "jax_backend/test_jax_audit.py::test_a_loss_term_summed_over_the_batch_is_named",
+    "jax_backend/test_jax_audit.py::test_uniform_weighting_with_unequal_micro_batches_is_named",
+    "jax_backend/test_jax_audit.py::test_sample_weights_and_an_own_compute_loss_are_exact",
+    "jax_backend/test_jax_audit.py::test_a_keras_hub_task_on_strings_is_exact",
+    "test_audit.py::test_an_optimizer_applied_twice_per_batch_is_named",
     # Several replicas: the fast tier keeps the two FEATURES rows.
     "test_replicas.py",
     "test_distribute.py",
@@ -281,6 +297,8 @@ SLOW = [
 ]
 
 HUB = [
+    "test_audit.py::test_a_keras_hub_task_on_strings_is_exact",
+    "jax_backend/test_jax_audit.py::test_a_keras_hub_task_on_strings_is_exact",
     "test_accumulate_hub.py",
     "jax_backend/test_jax_hub.py",
 ]

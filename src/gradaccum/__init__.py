@@ -26,15 +26,19 @@ _EXPORTS = {
     "wrap": "gradaccum.keras_model",
     "accumulate": "gradaccum.attach",
     "disable": "gradaccum.attach",
+    "audit": "gradaccum.auditing",
+    "AuditReport": "gradaccum.auditing",
 }
 
 __all__ = [
     "AccumulatingModel",
+    "AuditReport",
     "BatchNormalization",
     "CountingCrossDeviceOps",
     "GradientAccumulator",
     "__version__",
     "accumulate",
+    "audit",
     "convert_batch_normalization",
     "disable",
     "wrap",
@@ -42,6 +46,7 @@ __all__ = [
 
 if TYPE_CHECKING:  # pragma: no cover
     from gradaccum.attach import accumulate, disable
+    from gradaccum.auditing import AuditReport, audit
     from gradaccum.backends.tensorflow.accumulator import GradientAccumulator
     from gradaccum.backends.tensorflow.communication import CountingCrossDeviceOps
     from gradaccum.batch_norm import BatchNormalization, convert_batch_normalization

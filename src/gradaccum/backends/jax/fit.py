@@ -322,6 +322,27 @@ class Accumulation:
         if self.options.nonfinite != "apply" or loss_scaled:
             logs["skipped"] = float(state.skipped.numpy())
 
+    # The audit ----------------------------------------------------------------------
+
+    def window_gradients(self) -> list:
+        """The open window's combined gradient: `(variable, value)` per trainable
+        variable (`gradaccum.audit`)."""
+        from gradaccum.core.combine import combine
+
+        if self.state is None:
+            return []
+        named = self.state.named()
+        sums = [named[f"accumulator_{i}"].value for i in range(len(self._variables))]
+        combined = combine(sums, named["total_weight"].value, self.options.reduction,
+                           [v.dtype for v in self._variables])
+        return list(zip(self._variables, combined))
+
+    def audit_findings(self) -> dict:
+        """What the accumulation saw that makes it differ from the large batch."""
+        state = self.state
+        return {"repeated": [],
+                "inexact": bool(state is not None and state.inexact.numpy())}
+
     def warn(self) -> None:
         state = self.state
         if state is None:

@@ -383,6 +383,26 @@ class Accumulation:
         self._inexact_warned = True
         _fit_common.warn_inexact()
 
+    # The audit ----------------------------------------------------------------------
+
+    def window_gradients(self) -> list:
+        """The open window's combined gradient: `(variable, value or None)` per
+        variable of every accumulator (`gradaccum.audit`)."""
+        if self.state is None:
+            return []
+        pairs = []
+        for acc in self.state.accumulators():
+            pairs += list(zip(acc.target_variables, acc.gradients()))
+        return pairs
+
+    def audit_findings(self) -> dict:
+        """What the accumulation saw that makes it differ from the large batch."""
+        state = self.state
+        return {
+            "repeated": list(self.own_step.repeated),
+            "inexact": bool(state is not None and state.inexact.numpy()),
+        }
+
     def warn_if_repeated(self) -> None:
         """Once per fit: the model's step applies an optimizer several times per
         batch (`OwnStep.repeat_warning`)."""

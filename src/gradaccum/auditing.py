@@ -1,0 +1,369 @@
+"""`gradaccum.audit`: how far one window's accumulated gradient is from the large
+batch's, per variable, and what in the model makes them differ.
+
+The audit runs the model's own training step (Keras's, or the class's `train_step`)
+through gradaccum twice on one window of `steps` micro-batches of `batch_size`
+samples: once with the window as one micro-batch (the gradient plain Keras's step
+takes on the large batch) and once micro-batch by micro-batch (what `accumulate`
+combines). Neither run updates anything: the window never closes, and every
+variable (weights, batch statistics, random seeds, the optimizer's state) is put back
+as it was; the compiled metrics start again, as at each `fit`.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+import numpy as np
+
+from gradaccum import _keras_common as kc
+from gradaccum._validation import check_choice, check_steps
+
+# Relative differences up to this are float32 noise (sums in another order).
+TOLERANCE = 1e-4
+# A variable's gradient is measured against at least this fraction of the model's
+# largest gradient.
+FLOOR = 1e-3
+
+
+class AuditReport:
+    """What `gradaccum.audit` found.
+
+    Attributes:
+        rows: one `(variable path, largest |difference|, largest |large-batch
+            gradient|, relative difference)` per trainable variable. The relative
+            difference divides by the larger gradient's largest value, or by 1e-3 of
+            the model's largest gradient where that is more (a gradient that is zero
+            in theory, an attention key bias's, holds float noise only).
+        max_difference: the largest relative difference over the variables.
+        exact: whether `max_difference` is float32 noise (<= `tolerance`), and the
+            step updates nothing between its optimizer calls of one batch.
+        causes: what in the model makes accumulation differ from the large batch,
+            each naming its layer, term or option (empty when none is found).
+        micro_batch_sizes: the samples of each micro-batch of the window audited.
+    """
+
+    def __init__(self, rows, causes, micro_batch_sizes, tolerance=TOLERANCE,
+                 updates_between_calls=False):
+        self.rows = rows
+        self.causes = causes
+        self.micro_batch_sizes = micro_batch_sizes
+        self.tolerance = tolerance
+        self.max_difference = max((row[3] for row in rows), default=0.0)
+        # A step that applies an optimizer several times per batch updates between
+        # its calls on the large batch: not exact, whatever the first gradients say.
+        self.exact = self.max_difference <= tolerance and not updates_between_calls
+
+    def __repr__(self) -> str:
+        return (f"AuditReport(exact={self.exact}, max_difference={self.max_difference:.3g}, "
+                f"causes={len(self.causes)})")
+
+    def __str__(self) -> str:
+        sizes = " + ".join(str(n) for n in self.micro_batch_sizes)
+        verdict = ("exact (float32 noise)" if self.exact
+                   else "NOT exact")
+        lines = [
+            f"gradaccum audit: one window of {len(self.micro_batch_sizes)} micro-batches "
+            f"({sizes} samples) against the same window as one batch: {verdict}, largest "
+            f"relative difference {self.max_difference:.3g} (tolerance {self.tolerance:g})",
+            "",
+        ]
+        width = max([len("variable")] + [len(row[0]) for row in self.rows])
+        lines.append(f"{'variable':<{width}}  {'max |diff|':>10}  {'max |grad|':>10}  "
+                     f"{'relative':>10}")
+        for path, difference, scale, relative in self.rows:
+            lines.append(f"{path:<{width}}  {difference:>10.3g}  {scale:>10.3g}  "
+                         f"{relative:>10.3g}")
+        lines.append("")
+        if self.causes:
+            lines.append("Causes:")
+            lines += [f"- {cause}" for cause in self.causes]
+        elif not self.exact:
+            lines.append("Causes: none found in the model's layers, losses or options.")
+        else:
+            lines.append("Causes: none.")
+        return "\n".join(lines)
+
+
+def audit(model, x, y=None, *, steps, batch_size, sample_weight=None,
+          weighting="exact") -> AuditReport:
+    """Compares one window's accumulated gradient with the large batch's.
+
+    Takes the first `steps * batch_size` samples of the data as one window, and its
+    gradient both ways: as `steps` micro-batches of `batch_size` samples combined by
+    gradaccum, and as one batch, each through the model's own training step (`fit`'s:
+    a KerasHub task preprocesses its strings). Trains nothing: the model's weights,
+    batch statistics, random seeds and optimizer state are as they were afterwards
+    (its compiled metrics start again, as at each `fit`).
+
+    The large batch's gradient is the one the same step takes on the whole window
+    as one micro-batch: what plain Keras's step computes there. A step that applies
+    an optimizer several times per batch is reported not exact: on the large batch it
+    would update between its calls.
+
+    Args:
+        model: a built, compiled Keras model (not under `gradaccum.accumulate`).
+        x, y, sample_weight: the data, as `fit` takes them (arrays, dicts of them).
+        steps: micro-batches per window (an integer >= 1).
+        batch_size: samples per micro-batch (at most the number of samples).
+        weighting: the `weighting` accumulation would use (`"exact"`, `"uniform"` or
+            a callable), as `accumulate` takes it.
+
+    Returns:
+        An `AuditReport`: `report.exact`, `report.max_difference`, `report.causes`,
+        and a table per variable in `str(report)`.
+
+    Example:
+
+    >>> import keras, numpy as np, gradaccum
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, "relu"),
+    ...                           keras.layers.Dropout(0.5), keras.layers.Dense(2)])
+    >>> model.compile("adam", keras.losses.SparseCategoricalCrossentropy(True))
+    >>> x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+    >>> y = np.arange(32) % 2
+    >>> report = gradaccum.audit(model, x, y, steps=4, batch_size=8)
+    >>> report.exact
+    False
+    >>> report.causes[0].startswith("Dropout layer")
+    True
+    """
+    from gradaccum.attach import accumulate, accumulation_of, disable
+
+    check_model(model)
+    steps = check_steps(steps)
+    batch_size = check_steps(batch_size, name="batch_size")
+    if not callable(weighting):
+        check_choice("weighting", weighting, ("exact", "uniform"))
+    data = tuple(_as_arrays(part) for part in (x, y, sample_weight))
+    samples = len(keras.tree.flatten(data[0])[0])
+    if batch_size > samples:
+        raise ValueError(
+            "`batch_size` must be at most the number of samples audited. Received: "
+            f"batch_size={batch_size} for {samples} samples"
+        )
+    end = min(steps * batch_size, samples)
+    bounds = [(start, min(start + batch_size, end)) for start in range(0, end, batch_size)]
+    window = _sliced(data, 0, end)
+    micro_batches = [_sliced(data, a, b) for a, b in bounds]
+    sizes = [b - a for a, b in bounds]
+
+    optimizer = model.optimizer
+    if not optimizer.built:
+        optimizer.build(model.trainable_variables)
+    saved = _Snapshot(model)
+    findings = {}
+    try:
+        # Windows that never close: nothing is applied.
+        options = dict(steps=len(bounds) + 1, partial="carry", weighting=weighting)
+        large = _window_gradients(model, [window], options, findings)
+        saved.restore()
+        accumulated = _window_gradients(model, micro_batches, options, findings)
+        saved.restore()
+        added_losses = _added_loss_terms(model, window, micro_batches, sizes)
+    finally:
+        if accumulation_of(model) is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                disable(model)
+        saved.restore()
+    del accumulate
+
+    pairs = []
+    for variable in model.trainable_variables:
+        a, b = large.get(id(variable)), accumulated.get(id(variable))
+        if a is None and b is None or not np.size(a if a is not None else b):
+            continue
+        zeros = np.zeros(variable.shape, "float64")
+        pairs.append((variable.path, zeros if a is None else a.astype("float64"),
+                      zeros if b is None else b.astype("float64")))
+    # A gradient far below the model's largest (zero in theory, as an attention key
+    # bias's) is measured against FLOOR of the largest: its float noise is not a
+    # difference.
+    largest = max((float(np.max(np.abs(a))) for _, a, _ in pairs), default=0.0)
+    rows = []
+    for path, a, b in pairs:
+        difference = float(np.max(np.abs(a - b)))
+        scale = float(np.max(np.abs(a)))
+        reference = max(scale, float(np.max(np.abs(b))), FLOOR * largest)
+        relative = difference / reference if reference > 0 else 0.0
+        rows.append((path, difference, scale, relative))
+    causes = _causes(model, weighting, sizes, findings, added_losses)
+    return AuditReport(rows, causes, sizes,
+                       updates_between_calls=bool(findings.get("repeated")))
+
+
+def check_model(model) -> None:
+    from gradaccum.attach import accumulation_of
+
+    if not isinstance(model, keras.Model):
+        raise ValueError(
+            "`model` must be a keras.Model. Received: "
+            f"model={model!r} of type {type(model).__name__}"
+        )
+    if getattr(model, "optimizer", None) is None or not getattr(model, "compiled", True):
+        raise ValueError(
+            "`model` must be compiled (its loss and optimizer are what the audit "
+            f"runs). Received: model {model.name!r} that is not compiled"
+        )
+    if not model.built:
+        raise ValueError(
+            "`model` must be built before it is audited (the audit puts every variable "
+            f"back as it found it). Received: model {model.name!r} that is not built; "
+            "give it an Input or call it on a batch first"
+        )
+    if accumulation_of(model) is not None:
+        raise ValueError(
+            "`model` must be audited before `gradaccum.accumulate` (the audit runs its "
+            f"own accumulation). Received: model {model.name!r} under accumulate; call "
+            "`gradaccum.disable(model)` first"
+        )
+
+
+def _as_arrays(part):
+    """Data as `fit` reads it: arrays, and nests (dicts, lists) of arrays; a list of
+    scalars (strings for a KerasHub task) is one array."""
+    if part is None:
+        return None
+    if isinstance(part, (list, tuple)) and part and all(
+        np.ndim(item) == 0 for item in part
+    ):
+        return np.asarray(part)
+    return keras.tree.map_structure(np.asarray, part)
+
+
+def _sliced(data, start, end):
+    return tuple(None if part is None
+                 else keras.tree.map_structure(lambda t: t[start:end], part)
+                 for part in data)
+
+
+class _Snapshot:
+    """Every variable of a model and its optimizer, to put back."""
+
+    def __init__(self, model):
+        variables = list(model.variables) + list(model.optimizer.variables)
+        seen, self.variables = set(), []
+        for variable in variables:
+            if id(variable) not in seen:
+                seen.add(id(variable))
+                self.variables.append(variable)
+        self.values = [np.array(v.numpy()) for v in self.variables]
+
+    def restore(self) -> None:
+        for variable, value in zip(self.variables, self.values):
+            variable.assign(value)
+
+
+def _window_gradients(model, micro_batches, options, findings) -> dict:
+    """Runs `micro_batches` through the model's step under `accumulate` (a window
+    that does not close) and returns the window's combined gradient by variable id;
+    records the accumulation's own findings (several applications of an optimizer
+    per batch, loss terms whose normalizers are not proportional)."""
+    from gradaccum.attach import accumulate, accumulation_of, disable
+
+    accumulate(model, **options)
+    try:
+        for x, y, sample_weight in micro_batches:
+            # Through `fit`, as training runs it (a KerasHub task preprocesses there);
+            # what it warns about, the report says.
+            samples = len(keras.tree.flatten(x)[0])
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                model.fit(x, y, sample_weight=sample_weight, batch_size=samples,
+                          epochs=1, shuffle=False, verbose=0)
+        accumulation = accumulation_of(model)
+        gradients = {id(v): np.asarray(g) for v, g in accumulation.window_gradients()
+                     if g is not None}
+        findings.update(accumulation.audit_findings())
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            disable(model)
+    return gradients
+
+
+def _added_loss_terms(model, window, micro_batches, sizes):
+    """Each `add_loss` term of the model's layers on the window and on each
+    micro-batch (a forward pass in training mode): `(layer, window value, micro-batch
+    values)`, or [] where the model cannot be called on the data as given (a task
+    whose preprocessing runs in `fit`)."""
+    def terms(x):
+        model(x, training=True)
+        found = []
+        for layer in kc.flatten_layers(model):
+            for loss in getattr(layer, "_losses", []):
+                found.append((layer, float(np.asarray(loss))))
+        return found
+
+    try:
+        whole = terms(window[0])
+        parts = [terms(x) for x, _, _ in micro_batches]
+    except Exception:  # noqa: BLE001 (the check is skipped, the audit goes on)
+        return []
+    if any(len(part) != len(whole) for part in parts):
+        return []
+    return [(layer, value, [part[j][1] for part in parts])
+            for j, (layer, value) in enumerate(whole)]
+
+
+def _causes(model, weighting, sizes, findings, added_losses) -> list:
+    causes = []
+    for layer in kc.flatten_layers(model):
+        if layer is model:
+            continue
+        if isinstance(layer, keras.layers.BatchNormalization):
+            causes.append(
+                f"BatchNormalization layer {layer.name!r}: each micro-batch is normalized "
+                "with its own mean and variance, the large batch with the window's, so "
+                "the gradients differ. gradaccum.BatchNormalization (the window-aware "
+                "layer) moves the moving statistics once per window from the pooled "
+                "statistics, as the large batch does; the forward pass still differs."
+            )
+        elif _draws_random_numbers(layer):
+            causes.append(
+                f"{type(layer).__name__} layer {layer.name!r}: draws its random numbers "
+                "for each micro-batch apart, not those the large batch draws; the "
+                "accumulated gradient is the large batch's in expectation only."
+            )
+    for layer, value, parts in added_losses:
+        mean = float(np.dot(parts, sizes) / sum(sizes))
+        total = float(np.sum(parts))
+        scale = max(abs(value), 1e-12)
+        if abs(value - mean) > 1e-4 * scale and abs(value - total) <= 1e-4 * scale:
+            causes.append(
+                f"A loss term of layer {layer.name!r} (`add_loss`) is summed over the "
+                "batch, not averaged per sample: the large batch's term is the sum of "
+                "the micro-batches', and accumulation averages them. Divide it by the "
+                "batch size."
+            )
+    for name, count in findings.get("repeated", []):
+        causes.append(
+            f"The model's train_step applies `self.{name}` {count} times per batch: "
+            "accumulation makes those updates from gradients taken at the weights the "
+            "window started from, where the large batch's step takes each after the "
+            "previous update."
+        )
+    if findings.get("inexact"):
+        causes.append(
+            "Loss terms whose normalizers are not proportional across micro-batches "
+            "(outputs with masks of their own): one weight per micro-batch cannot be "
+            "exact for all of them."
+        )
+    if weighting == "uniform" and len(set(sizes)) > 1:
+        causes.append(
+            "weighting='uniform' with unequal micro-batches (samples "
+            + ", ".join(str(n) for n in sizes)
+            + "): each micro-batch counts the same; weighting='exact' weighs them by "
+            "their loss normalizers."
+        )
+    return causes
+
+
+def _draws_random_numbers(layer) -> bool:
+    """Whether a layer draws random numbers in training (Dropout, GaussianNoise,
+    random augmentation: a seed generator of its own)."""
+    generator = keras.random.SeedGenerator
+    if isinstance(layer, keras.layers.Dropout) and not layer.rate:
+        return False
+    return any(isinstance(value, generator) for value in vars(layer).values())
