@@ -37,6 +37,7 @@ from gradaccum._keras_common import (  # noqa: F401 (re-exported)
     is_loss_scale_optimizer,
     is_optimizer,
     loss_tracker,
+    named_optimizers,
     set_compile_config,
     squeeze_or_expand_to_same_rank,
 )

@@ -19,44 +19,6 @@ from gradaccum.backends.tensorflow import keras_compat as kc
 from gradaccum.backends.tensorflow.weights import micro_batch_weight
 
 
-def optimizers_of(model) -> list:
-    """The Keras optimizers a model holds: `model.optimizer` first, then any other
-    optimizer attribute (a GAN's generator and discriminator optimizers)."""
-    found = []
-    candidates = [getattr(model, "optimizer", None)]
-    for value in vars(model).values():
-        if isinstance(value, dict):
-            candidates += list(value.values())
-        elif isinstance(value, (list, tuple)):
-            candidates += list(value)
-        else:
-            candidates.append(value)
-    for optimizer in candidates:
-        if optimizer is not None and kc.is_optimizer(optimizer):
-            if all(optimizer is not other for other in found):
-                found.append(optimizer)
-    return found
-
-
-def attribute_of(model, optimizer_id) -> str:
-    """The name `model` reaches an optimizer by (`optimizer`, `d_optimizer`, or
-    `extra[0]` for one kept in a list)."""
-    if id(getattr(model, "optimizer", None)) == optimizer_id:
-        return "optimizer"
-    for name, value in vars(model).items():
-        if id(value) == optimizer_id:
-            return name
-        if isinstance(value, dict):
-            for key, item in value.items():
-                if id(item) == optimizer_id:
-                    return f"{name}[{key!r}]"
-        elif isinstance(value, (list, tuple)):
-            for index, item in enumerate(value):
-                if id(item) == optimizer_id:
-                    return f"{name}[{index}]"
-    return "optimizer"
-
-
 def _scaled(gradient, factor):
     if gradient is None:
         return None
@@ -101,7 +63,7 @@ class OwnStep:
         local.intercepted = 0
         local.calls_in_step = {}
         layers = state.own[0][0].batch_normalization_layers if state.own else []
-        self._route(optimizers_of(host))
+        self._route([optimizer for _, optimizer in kc.named_optimizers(host)])
         try:
             with batch_norm.driving(layers):
                 logs = own_step(data)
@@ -125,7 +87,8 @@ class OwnStep:
         for (optimizer_id, _), count in calls_in_step.items():
             if count < 2:
                 continue
-            name = attribute_of(host, optimizer_id)
+            name = next((name for name, optimizer in kc.named_optimizers(host)
+                         if id(optimizer) == optimizer_id), "optimizer")
             if (name, count) not in self.repeated:
                 self.repeated.append((name, count))
 
