@@ -78,7 +78,7 @@ def test_a_model_without_causes_is_exact_and_left_as_it_was():
     for a, b in zip(everything(model), before):
         np.testing.assert_array_equal(a, b)
     text = str(report)
-    assert "exact (float32 noise)" in text and "Causes: none." in text
+    assert "exact (rounding noise)" in text and "Causes: none." in text
     assert model.trainable_variables[0].path in text
     # The model trains as before afterwards (no accumulation left attached).
     assert gradaccum.attach.accumulation_of(model) is None
@@ -122,13 +122,87 @@ def test_uniform_weighting_with_unequal_micro_batches_is_named():
     uniform = gradaccum.audit(mlp(), x, y, steps=4, batch_size=8, weighting="uniform")
     assert not uniform.exact
     assert uniform.micro_batch_sizes == [8, 8, 8, 6]
-    assert uniform.causes == [
-        "weighting='uniform' with unequal micro-batches (samples 8, 8, 8, 6): each "
-        "micro-batch counts the same; weighting='exact' weighs them by their loss "
-        "normalizers."
-    ]
+    assert uniform.causes == [UNIFORM.format("8, 8, 8, 6")]
     exact = gradaccum.audit(mlp(), x, y, steps=4, batch_size=8)
     assert exact.exact and exact.causes == []
+
+
+UNIFORM = (
+    "weighting='uniform' (micro-batches of {} samples): each micro-batch counts the "
+    "same, which is exact only where every micro-batch's loss normalizer (its samples, "
+    "unmasked tokens or sample weights) is equal; weighting='exact' weighs them by their "
+    "normalizers."
+)
+
+
+def test_uniform_weighting_with_unequal_normalizers_is_named():
+    # Micro-batches of 8 samples each, whose sample weights sum differently: the
+    # normalizers of reduction "mean_with_sample_weight" differ.
+    x, y = data()
+    weights = np.repeat([0.5, 1.0, 2.0, 4.0], 8).astype("float32")
+    model = mlp(compiled=False)
+    model.compile(keras.optimizers.Adam(0.01), keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction="mean_with_sample_weight"))
+    uniform = gradaccum.audit(model, x, y, sample_weight=weights, steps=4, batch_size=8,
+                              weighting="uniform")
+    assert not uniform.exact and uniform.causes == [UNIFORM.format("8, 8, 8, 8")]
+    exact = gradaccum.audit(model, x, y, sample_weight=weights, steps=4, batch_size=8)
+    assert exact.exact and exact.causes == []
+
+
+def test_layers_without_random_draws_are_not_named_and_listed_generators_are():
+    x = np.random.default_rng(0).normal(size=(32, 3, 4)).astype("float32")
+    y = np.arange(32) % 2
+    model = keras.Sequential([keras.Input((3, 4)), keras.layers.LSTM(4, dropout=0.0),
+                              keras.layers.Dropout(0.0), keras.layers.Dense(2)])
+    model.compile(keras.optimizers.Adam(0.01), SCE)
+    report = gradaccum.audit(model, x, y, steps=4, batch_size=8)
+    assert report.exact and report.causes == [], str(report)
+    noisy = mlp(ListedNoise(name="noise"))
+    listed = gradaccum.audit(noisy, *data(), steps=4, batch_size=8)
+    assert not listed.exact
+    assert listed.causes == [
+        "ListedNoise layer 'noise': draws its random numbers for each micro-batch apart, "
+        "not those the large batch draws; the accumulated gradient is the large batch's "
+        "in expectation only."
+    ]
+
+
+class ListedNoise(keras.layers.Layer):
+    """Noise from a seed generator kept in a list attribute."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.generators = [keras.random.SeedGenerator(3)]
+
+    def call(self, h, training=False):
+        if training:
+            h = h + keras.random.normal(keras.ops.shape(h), seed=self.generators[0])
+        return h
+
+
+def test_mixed_precision_is_measured_against_its_own_rounding():
+    keras.mixed_precision.set_dtype_policy("mixed_bfloat16")
+    try:
+        x, y = data()
+        report = gradaccum.audit(mlp(), x, y, steps=4, batch_size=8)
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")
+    assert report.tolerance == 5e-2
+    assert report.exact and report.causes == [], str(report)
+
+
+def test_a_skipped_micro_batch_is_named():
+    x, y = data()
+    x[9, 0] = np.nan  # in the second micro-batch
+    report = gradaccum.audit(mlp(), x, y, steps=4, batch_size=8)
+    assert not report.exact
+    # The window as one batch is skipped once, and the second micro-batch.
+    assert report.causes == [
+        "2 micro-batch(es) had a gradient that is not finite (inf or nan) and were "
+        "skipped (nonfinite='skip', or a loss scale that overflowed): their gradients "
+        "count as zero. Check the data and the loss."
+    ]
 
 
 def test_sample_weights_and_an_own_compute_loss_are_exact():
@@ -150,6 +224,11 @@ def test_sample_weights_and_an_own_compute_loss_are_exact():
     ("accumulated", "`model` must be audited before `gradaccum.accumulate` (the audit runs "
                     "its own accumulation). Received: model"),
     ("weighting", "`weighting` must be one of"),
+    ("too_few", "`steps` micro-batches of `batch_size` samples must fit in the data "
+                "audited. Received: steps=8, batch_size=8 for 32 samples (4 micro-batches)"),
+    ("dataset", "`x` must be arrays the audit can slice into micro-batches (numpy arrays "
+                "or tensors, dicts or lists of them, a list of strings). Received: x of "
+                "type generator"),
 ])
 def test_bad_input_is_refused(case, message):
     x, y = data()
@@ -163,6 +242,10 @@ def test_bad_input_is_refused(case, message):
         gradaccum.accumulate(model, steps=2)
     if case == "weighting":
         kwargs["weighting"] = "by_size"
+    if case == "too_few":
+        kwargs["steps"] = 8
+    if case == "dataset":
+        x = (row for row in x)
     with pytest.raises(ValueError, match=re.escape(message)):
         gradaccum.audit(model, x, y, **kwargs)
 

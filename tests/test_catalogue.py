@@ -176,7 +176,8 @@ def load_four_into_six(tmp_path):
     layer.load_own_variables({str(i): np.zeros(3) for i in range(6)})
 
 
-def audited(steps=2, batch_size=4, compiled=True, built=True, accumulated=False):
+def audited(steps=2, batch_size=4, compiled=True, built=True, accumulated=False,
+            generator=False, **kwargs):
     """`gradaccum.audit` on a model named 'net' and 8 samples."""
     model = keras.Sequential(([keras.Input((4,))] if built else []) + [keras.layers.Dense(2)],
                              name="net")
@@ -185,7 +186,9 @@ def audited(steps=2, batch_size=4, compiled=True, built=True, accumulated=False)
     if accumulated:
         gradaccum.accumulate(model, steps=2)
     x, y = np.zeros((8, 4), "float32"), np.zeros((8, 2), "float32")
-    gradaccum.audit(model, x, y, steps=steps, batch_size=batch_size)
+    if generator:
+        x = (row for row in x)
+    gradaccum.audit(model, x, y, steps=steps, batch_size=batch_size, **kwargs)
 
 
 CASES = {
@@ -195,6 +198,9 @@ CASES = {
     "audit-not-compiled": lambda: audited(compiled=False),
     "audit-not-built": lambda: audited(built=False),
     "audit-accumulated": lambda: audited(accumulated=True),
+    "audit-too-few": lambda: audited(steps=3),
+    "audit-not-arrays": lambda: audited(generator=True),
+    "audit-reduction": lambda: audited(reduction="max"),
     # Every public name
     "backend-unsupported": under_another_backend,
     "accumulator-dtype-replicas": lambda: under(

@@ -305,7 +305,9 @@ def test_a_recompile_keeps_the_open_window():
 
 class TwoHeadsModel(keras.Model):
     """Its own step: the first layer through `self.optimizer`, the second through an
-    optimizer kept in a list attribute, or twice through `self.optimizer`."""
+    optimizer kept in a list attribute (`"list"`; `"chained"`: its gradient taken
+    after the first layer's update), or twice through `self.optimizer` (`"twice"`;
+    `"overlap"`: all variables, then the first layer's)."""
 
     def __init__(self, mode):
         super().__init__()
@@ -326,6 +328,15 @@ class TwoHeadsModel(keras.Model):
         if self.mode == "list":
             self.optimizer.apply_gradients(zip(grads[:2], first))
             self.extra[0].apply_gradients(zip(grads[2:], second))
+        elif self.mode == "chained":
+            # The second head's gradient after the first head's update.
+            self.optimizer.apply_gradients(zip(grads[:2], first))
+            with tf.GradientTape() as tape:
+                again = self.compute_loss(x, y, self(x, training=True))
+            self.extra[0].apply_gradients(zip(tape.gradient(again, second), second))
+        elif self.mode == "overlap":
+            self.optimizer.apply_gradients(zip(grads, first + second))
+            self.optimizer.apply_gradients(zip(grads[:2], first))
         else:
             self.optimizer.apply_gradients(zip(grads, first + second))
             self.optimizer.apply_gradients(zip(grads, first + second))

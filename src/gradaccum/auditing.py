@@ -12,6 +12,8 @@ as it was; the compiled metrics start again, as at each `fit`.
 
 from __future__ import annotations
 
+import contextlib
+import random
 import warnings
 
 import keras
@@ -20,8 +22,10 @@ import numpy as np
 from gradaccum import _keras_common as kc
 from gradaccum._validation import check_choice, check_steps
 
-# Relative differences up to this are float32 noise (sums in another order).
+# Relative differences up to this are float32 noise (sums in another order); a
+# model computing in float16 or bfloat16 (mixed precision) has that dtype's noise.
 TOLERANCE = 1e-4
+TOLERANCES = {"float16": 1e-2, "bfloat16": 5e-2}
 # A variable's gradient is measured against at least this fraction of the model's
 # largest gradient.
 FLOOR = 1e-3
@@ -37,8 +41,10 @@ class AuditReport:
             the model's largest gradient where that is more (a gradient that is zero
             in theory, an attention key bias's, holds float noise only).
         max_difference: the largest relative difference over the variables.
-        exact: whether `max_difference` is float32 noise (<= `tolerance`), and the
-            step updates nothing between its optimizer calls of one batch.
+        exact: whether `max_difference` is rounding noise (<= `tolerance`: 1e-4,
+            1e-2 for a model computing in float16, 5e-2 in bfloat16), and the step
+            updates nothing between its optimizer calls of one batch (it applies one
+            optimizer, once).
         causes: what in the model makes accumulation differ from the large batch,
             each naming its layer, term or option (empty when none is found).
         micro_batch_sizes: the samples of each micro-batch of the window audited.
@@ -51,7 +57,7 @@ class AuditReport:
         self.micro_batch_sizes = micro_batch_sizes
         self.tolerance = tolerance
         self.max_difference = max((row[3] for row in rows), default=0.0)
-        # A step that applies an optimizer several times per batch updates between
+        # A step that applies optimizers several times per batch updates between
         # its calls on the large batch: not exact, whatever the first gradients say.
         self.exact = self.max_difference <= tolerance and not updates_between_calls
 
@@ -61,8 +67,7 @@ class AuditReport:
 
     def __str__(self) -> str:
         sizes = " + ".join(str(n) for n in self.micro_batch_sizes)
-        verdict = ("exact (float32 noise)" if self.exact
-                   else "NOT exact")
+        verdict = "exact (rounding noise)" if self.exact else "NOT exact"
         lines = [
             f"gradaccum audit: one window of {len(self.micro_batch_sizes)} micro-batches "
             f"({sizes} samples) against the same window as one batch: {verdict}, largest "
@@ -87,7 +92,7 @@ class AuditReport:
 
 
 def audit(model, x, y=None, *, steps, batch_size, sample_weight=None,
-          weighting="exact") -> AuditReport:
+          weighting="exact", reduction="mean") -> AuditReport:
     """Compares one window's accumulated gradient with the large batch's.
 
     Takes the first `steps * batch_size` samples of the data as one window, and its
@@ -99,20 +104,29 @@ def audit(model, x, y=None, *, steps, batch_size, sample_weight=None,
 
     The large batch's gradient is the one the same step takes on the whole window
     as one micro-batch: what plain Keras's step computes there. A step that applies
-    an optimizer several times per batch is reported not exact: on the large batch it
-    would update between its calls.
+    an optimizer several times per batch, or several optimizers (a GAN's), is
+    reported not exact: on the large batch it would update between its calls.
 
     Args:
         model: a built, compiled Keras model (not under `gradaccum.accumulate`).
         x, y, sample_weight: the data, as `fit` takes them (arrays, dicts of them).
         steps: micro-batches per window (an integer >= 1).
-        batch_size: samples per micro-batch (at most the number of samples).
+        batch_size: samples per micro-batch (at most the number of samples). The
+            window is the first `steps * batch_size` samples; where the data has
+            fewer, its last micro-batch is shorter.
         weighting: the `weighting` accumulation would use (`"exact"`, `"uniform"` or
             a callable), as `accumulate` takes it.
+        reduction: the `reduction` accumulation would use (`"mean"` or `"sum"`).
 
     Returns:
         An `AuditReport`: `report.exact`, `report.max_difference`, `report.causes`,
         and a table per variable in `str(report)`.
+
+    Raises:
+        ValueError: a model that is not a compiled, built Keras model or is under
+            `accumulate`; `steps` or `batch_size` < 1; data that is not arrays (a
+            dataset or a generator); data with fewer than `batch_size` samples, or
+            too few for `steps` micro-batches.
 
     Example:
 
@@ -135,12 +149,20 @@ def audit(model, x, y=None, *, steps, batch_size, sample_weight=None,
     batch_size = check_steps(batch_size, name="batch_size")
     if not callable(weighting):
         check_choice("weighting", weighting, ("exact", "uniform"))
-    data = tuple(_as_arrays(part) for part in (x, y, sample_weight))
-    samples = len(keras.tree.flatten(data[0])[0])
+    check_choice("reduction", reduction, ("mean", "sum"))
+    data = tuple(_as_arrays(part, name) for part, name in
+                 ((x, "x"), (y, "y"), (sample_weight, "sample_weight")))
+    samples = _samples(data[0])
     if batch_size > samples:
         raise ValueError(
             "`batch_size` must be at most the number of samples audited. Received: "
             f"batch_size={batch_size} for {samples} samples"
+        )
+    if -(-samples // batch_size) < steps:
+        raise ValueError(
+            "`steps` micro-batches of `batch_size` samples must fit in the data "
+            f"audited. Received: steps={steps}, batch_size={batch_size} for {samples} "
+            f"samples ({-(-samples // batch_size)} micro-batches)"
         )
     end = min(steps * batch_size, samples)
     bounds = [(start, min(start + batch_size, end)) for start in range(0, end, batch_size)]
@@ -150,12 +172,15 @@ def audit(model, x, y=None, *, steps, batch_size, sample_weight=None,
 
     optimizer = model.optimizer
     if not optimizer.built:
-        optimizer.build(model.trainable_variables)
+        # In the model's distribution scope, where fit builds it.
+        with _scope(model):
+            optimizer.build(model.trainable_variables)
     saved = _Snapshot(model)
     findings = {}
     try:
         # Windows that never close: nothing is applied.
-        options = dict(steps=len(bounds) + 1, partial="carry", weighting=weighting)
+        options = dict(steps=len(bounds) + 1, partial="carry", weighting=weighting,
+                       reduction=reduction)
         large = _window_gradients(model, [window], options, findings)
         saved.restore()
         accumulated = _window_gradients(model, micro_batches, options, findings)
@@ -188,9 +213,26 @@ def audit(model, x, y=None, *, steps, batch_size, sample_weight=None,
         reference = max(scale, float(np.max(np.abs(b))), FLOOR * largest)
         relative = difference / reference if reference > 0 else 0.0
         rows.append((path, difference, scale, relative))
-    causes = _causes(model, weighting, sizes, findings, added_losses)
-    return AuditReport(rows, causes, sizes,
-                       updates_between_calls=bool(findings.get("repeated")))
+    tolerance = _tolerance(model)
+    inexact = max((row[3] for row in rows), default=0.0) > tolerance
+    causes = _causes(model, weighting, sizes, findings, added_losses, inexact)
+    between = (bool(findings.get("repeated")) or bool(findings.get("stale"))
+               or len(findings.get("optimizers", [])) > 1)
+    return AuditReport(rows, causes, sizes, tolerance=tolerance,
+                       updates_between_calls=between)
+
+
+def _scope(model):
+    """The model's tf.distribute scope (a no-op elsewhere)."""
+    strategy = getattr(model, "distribute_strategy", None)
+    return strategy.scope() if strategy is not None else contextlib.nullcontext()
+
+
+def _tolerance(model) -> float:
+    """Rounding noise of the least precise dtype the model's layers compute in."""
+    dtypes = {getattr(layer, "compute_dtype", None) for layer in kc.flatten_layers(model)}
+    found = [TOLERANCES[d] for d in dtypes if d in TOLERANCES]
+    return max(found, default=TOLERANCE)
 
 
 def check_model(model) -> None:
@@ -220,16 +262,34 @@ def check_model(model) -> None:
         )
 
 
-def _as_arrays(part):
+def _as_arrays(part, name="x"):
     """Data as `fit` reads it: arrays, and nests (dicts, lists) of arrays; a list of
     scalars (strings for a KerasHub task) is one array."""
     if part is None:
         return None
+    if not isinstance(part, (dict, list, tuple)) and not hasattr(part, "shape"):
+        raise ValueError(
+            f"`{name}` must be arrays the audit can slice into micro-batches (numpy "
+            "arrays or tensors, dicts or lists of them, a list of strings). Received: "
+            f"{name} of type {type(part).__name__}; take a batch of it first "
+            "(`next(iter(dataset))`)"
+        )
     if isinstance(part, (list, tuple)) and part and all(
         np.ndim(item) == 0 for item in part
     ):
         return np.asarray(part)
     return keras.tree.map_structure(np.asarray, part)
+
+
+def _samples(x) -> int:
+    first = keras.tree.flatten(x)[0] if x is not None else None
+    if first is None or not np.ndim(first):
+        raise ValueError(
+            "`x` must be arrays the audit can slice into micro-batches (numpy arrays or "
+            "tensors, dicts or lists of them, a list of strings). Received: x whose "
+            f"first element is {type(first).__name__}"
+        )
+    return len(first)
 
 
 def _sliced(data, start, end):
@@ -239,20 +299,38 @@ def _sliced(data, start, end):
 
 
 class _Snapshot:
-    """Every variable of a model and its optimizer, to put back."""
+    """Every variable of a model and its optimizers, and the random state Keras
+    draws unseeded numbers from (its global seed generator, Python's `random`,
+    which seeds a new one), to put back."""
 
     def __init__(self, model):
+        from keras.src.backend.common import global_state
+
         variables = list(model.variables) + list(model.optimizer.variables)
+        for _, optimizer in kc.named_optimizers(model):
+            variables += list(optimizer.variables)
         seen, self.variables = set(), []
         for variable in variables:
             if id(variable) not in seen:
                 seen.add(id(variable))
                 self.variables.append(variable)
         self.values = [np.array(v.numpy()) for v in self.variables]
+        self._global_state = global_state
+        self.generator = global_state.get_global_attribute("global_seed_generator")
+        self.generator_state = (None if self.generator is None
+                                else np.array(self.generator.state.numpy()))
+        self.python_random = random.getstate()
 
     def restore(self) -> None:
         for variable, value in zip(self.variables, self.values):
             variable.assign(value)
+        if self.generator is None:
+            self._global_state.set_global_attribute("global_seed_generator", None)
+        else:
+            self._global_state.set_global_attribute("global_seed_generator",
+                                                    self.generator)
+            self.generator.state.assign(self.generator_state)
+        random.setstate(self.python_random)
 
 
 def _window_gradients(model, micro_batches, options, findings) -> dict:
@@ -273,9 +351,18 @@ def _window_gradients(model, micro_batches, options, findings) -> dict:
                 model.fit(x, y, sample_weight=sample_weight, batch_size=samples,
                           epochs=1, shuffle=False, verbose=0)
         accumulation = accumulation_of(model)
-        gradients = {id(v): np.asarray(g) for v, g in accumulation.window_gradients()
-                     if g is not None}
-        findings.update(accumulation.audit_findings())
+        gradients = {}
+        for variable, gradient in accumulation.window_gradients():
+            if gradient is not None:
+                # A variable two accumulators hold (an optimizer applied to lists
+                # that overlap): the gradients its updates would use, summed.
+                gradient = np.asarray(gradient)
+                previous = gradients.get(id(variable))
+                gradients[id(variable)] = (gradient if previous is None
+                                           else previous + gradient)
+        found = accumulation.audit_findings()
+        findings["skipped"] = findings.get("skipped", 0) + found.pop("skipped", 0)
+        findings.update(found)
     finally:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -307,7 +394,7 @@ def _added_loss_terms(model, window, micro_batches, sizes):
             for j, (layer, value) in enumerate(whole)]
 
 
-def _causes(model, weighting, sizes, findings, added_losses) -> list:
+def _causes(model, weighting, sizes, findings, added_losses, inexact) -> list:
     causes = []
     for layer in kc.flatten_layers(model):
         if layer is model:
@@ -344,26 +431,69 @@ def _causes(model, weighting, sizes, findings, added_losses) -> list:
             "window started from, where the large batch's step takes each after the "
             "previous update."
         )
+    for later, earlier in findings.get("stale", []):
+        causes.append(
+            f"The model's train_step computes the gradients it hands to `self.{later}` "
+            f"after applying `self.{earlier}`, from variables `self.{earlier}` updates "
+            "(a GAN in keras.io's DCGAN order): on the large batch they see that "
+            "update; accumulated, they are taken at the weights the window started from."
+        )
+    optimizers = findings.get("optimizers", [])
+    if len(optimizers) > 1:
+        names = ", ".join(f"`self.{name}`" for name in optimizers)
+        causes.append(
+            f"The model's train_step applies {len(optimizers)} optimizers per batch "
+            f"({names}): where a later call's gradients depend on variables an earlier "
+            "call updates (a GAN's generator through its discriminator), the large "
+            "batch takes them after that update and accumulation at the weights the "
+            "window started from. On JAX the audit cannot tell whether they do."
+        )
+    if findings.get("skipped"):
+        causes.append(
+            f"{findings['skipped']} micro-batch(es) had a gradient that is not finite "
+            "(inf or nan) and were skipped (nonfinite='skip', or a loss scale that "
+            "overflowed): their gradients count as zero. Check the data and the loss."
+        )
     if findings.get("inexact"):
         causes.append(
             "Loss terms whose normalizers are not proportional across micro-batches "
             "(outputs with masks of their own): one weight per micro-batch cannot be "
             "exact for all of them."
         )
-    if weighting == "uniform" and len(set(sizes)) > 1:
+    if weighting == "uniform" and (len(set(sizes)) > 1 or inexact):
         causes.append(
-            "weighting='uniform' with unequal micro-batches (samples "
+            "weighting='uniform' (micro-batches of "
             + ", ".join(str(n) for n in sizes)
-            + "): each micro-batch counts the same; weighting='exact' weighs them by "
-            "their loss normalizers."
+            + " samples): each micro-batch counts the same, which is exact only where "
+            "every micro-batch's loss normalizer (its samples, unmasked tokens or "
+            "sample weights) is equal; weighting='exact' weighs them by their "
+            "normalizers."
         )
     return causes
 
 
+# Attributes that set how much a layer's random draw changes its output: all zero
+# (Dropout(0), an LSTM without dropout), the layer is deterministic.
+_RANDOM_AMOUNTS = ("rate", "dropout", "recurrent_dropout", "stddev")
+
+
 def _draws_random_numbers(layer) -> bool:
     """Whether a layer draws random numbers in training (Dropout, GaussianNoise,
-    random augmentation: a seed generator of its own)."""
+    recurrent dropout, random augmentation: a seed generator of its own, kept in an
+    attribute or in a list or dict of them)."""
     generator = keras.random.SeedGenerator
-    if isinstance(layer, keras.layers.Dropout) and not layer.rate:
+
+    def generators(value):
+        if isinstance(value, generator):
+            return True
+        if isinstance(value, (list, tuple)):
+            return any(isinstance(item, generator) for item in value)
+        if isinstance(value, dict):
+            return any(isinstance(item, generator) for item in value.values())
         return False
-    return any(isinstance(value, generator) for value in vars(layer).values())
+
+    if not any(generators(value) for value in vars(layer).values()):
+        return False
+    amounts = [getattr(layer, name) for name in _RANDOM_AMOUNTS if hasattr(layer, name)]
+    amounts = [a for a in amounts if isinstance(a, (int, float))]
+    return not amounts or any(amounts)

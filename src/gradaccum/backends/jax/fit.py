@@ -340,8 +340,14 @@ class Accumulation:
     def audit_findings(self) -> dict:
         """What the accumulation saw that makes it differ from the large batch."""
         state = self.state
-        return {"repeated": [],
-                "inexact": bool(state is not None and state.inexact.numpy())}
+        step = self.step
+        optimizers = []
+        if step is not None and self.own_train_step is not None:
+            names = {id(o): name for name, o in kc.named_optimizers(self.host)}
+            optimizers = [names.get(id(a.optimizer), "optimizer") for a in step.appliers]
+        return {"repeated": [], "optimizers": optimizers,
+                "inexact": bool(state is not None and state.inexact.numpy()),
+                "skipped": 0 if state is None else int(state.skipped.numpy())}
 
     def warn(self) -> None:
         state = self.state

@@ -49,6 +49,11 @@ class OwnStep:
         # The optimizers the traced step applied more than once per batch to the
         # same variables: (the model's attribute, calls per batch).
         self.repeated = []
+        # Optimizer calls whose gradients the step computed from variables an
+        # earlier call of the same step updates: (later, earlier) optimizers. On one
+        # large batch those gradients would see the update (a GAN in keras.io's
+        # DCGAN order); accumulated, they are taken at the window's first weights.
+        self.stale = []
 
     def run(self, own_step, data):
         """`own_step(data)` (the model's bound `train_step`) with its optimizer calls
@@ -62,6 +67,8 @@ class OwnStep:
         accumulation.normalizers.take()
         local.intercepted = 0
         local.calls_in_step = {}
+        local.calls = []
+        local.updated = []
         layers = state.own[0][0].batch_normalization_layers if state.own else []
         self._route([optimizer for _, optimizer in kc.named_optimizers(host)])
         try:
@@ -70,7 +77,7 @@ class OwnStep:
         finally:
             self._end_route()
         local.micro_batch = None
-        self._note_repeats(host, local.calls_in_step)
+        self._note_repeats(host, local.calls)
         if not local.intercepted:
             raise ValueError(
                 f"The train_step of {type(host).__name__} must hand its gradients to an "
@@ -81,16 +88,38 @@ class OwnStep:
             )
         return logs
 
-    def _note_repeats(self, host, calls_in_step) -> None:
+    def _note_repeats(self, host, calls) -> None:
         """Records the optimizers the step (being traced) applied several times per
-        batch to the same variables, for `repeat_warning`."""
-        for (optimizer_id, _), count in calls_in_step.items():
-            if count < 2:
+        batch to variables those calls share (the same list, or lists that overlap),
+        for `repeat_warning`. `calls`: `(optimizer id, variable ids)` per call."""
+        for optimizer_id in dict.fromkeys(o for o, _ in calls):
+            mine = [variables for o, variables in calls if o == optimizer_id]
+            count = len(mine)
+            if not any(mine[i] & mine[j] for i in range(count) for j in range(i)):
                 continue
             name = next((name for name, optimizer in kc.named_optimizers(host)
                          if id(optimizer) == optimizer_id), "optimizer")
             if (name, count) not in self.repeated:
                 self.repeated.append((name, count))
+
+    def _note_stale(self, optimizer, grads, variables) -> None:
+        """While the step is traced: whether `grads` were computed, after an earlier
+        optimizer call of this step, from variables that call updates (ops created
+        after it that read them). Then records `(optimizer, earlier optimizer)` in
+        `stale`."""
+        local = self._local
+        graph = tf.compat.v1.get_default_graph()
+        nodes = getattr(graph, "_nodes_by_id", None)
+        if tf.executing_eagerly() or nodes is None or not hasattr(graph, "captures"):
+            return
+        for earlier, after, updated in local.updated:
+            reads = {id(_handle(v)) for v in updated}
+            if _reads_after(grads, after, reads):
+                pair = (optimizer, earlier)
+                if all(p[0] is not optimizer or p[1] is not earlier for p in self.stale):
+                    self.stale.append(pair)
+        last = max(nodes, default=0)
+        local.updated.append((optimizer, last, list(variables)))
 
     def repeat_warning(self) -> str | None:
         """What fit warns about, once per fit, when the model's step applies an
@@ -156,6 +185,8 @@ class OwnStep:
         key = (id(optimizer), tuple(id(v) for v in variables))
         occurrence = local.calls_in_step.get(key, 0)
         local.calls_in_step[key] = occurrence + 1
+        local.calls.append((id(optimizer), frozenset(id(v) for v in variables)))
+        self._note_stale(optimizer, grads, variables)
         acc = self.accumulator(optimizer, variables, occurrence)
         x, y, sample_weight = local.micro_batch
         weight = micro_batch_weight(accumulation, x, y, sample_weight, False)
@@ -215,3 +246,45 @@ class OwnStep:
             state.own.append((acc, optimizer))
             accumulation.restore_pending()
         return acc
+
+
+def _handle(variable):
+    """The resource handle of a Keras or TensorFlow variable."""
+    value = getattr(variable, "value", variable)
+    return getattr(value, "handle", value)
+
+
+def _outermost(tensor):
+    """The tensor a function graph's captured placeholder stands for, through every
+    enclosing function graph (a variable's eager handle, for a variable read)."""
+    graph = tensor.graph
+    while hasattr(graph, "captures"):
+        outer = next((external for external, internal in graph.captures
+                      if internal is tensor), None)
+        if outer is None:
+            return tensor
+        tensor = outer
+        graph = getattr(tensor, "graph", None)
+        if graph is None:
+            return tensor
+    return tensor
+
+
+def _reads_after(tensors, mark: int, handles: set) -> bool:
+    """Whether an op created after op id `mark` that reads a variable whose handle
+    is in `handles` (ids of eager handles) leads to any of `tensors`."""
+    stack = [getattr(t, "values", t) for t in tensors if t is not None]
+    stack = [t.op for t in stack if hasattr(t, "op")]
+    seen = set()
+    while stack:
+        op = stack.pop()
+        if op._id in seen or op._id <= mark:
+            continue
+        seen.add(op._id)
+        if op.type in ("ReadVariableOp", "ResourceGather", "ResourceGatherNd") and (
+            id(_outermost(op.inputs[0])) in handles
+        ):
+            return True
+        stack += [t.op for t in op.inputs]
+        stack += list(op.control_inputs)
+    return False
