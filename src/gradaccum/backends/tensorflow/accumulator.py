@@ -31,6 +31,7 @@ from gradaccum.backends.tensorflow import distributed as dist  # noqa: E402
 from gradaccum.backends.tensorflow import keras_compat as kc  # noqa: E402
 from gradaccum.backends.tensorflow import loss_scale, replicas  # noqa: E402
 from gradaccum.backends.tensorflow import screening as _screening  # noqa: E402
+from gradaccum.backends.tensorflow.branching import rare_cond  # noqa: E402
 from gradaccum.backends.tensorflow.combine import REDUCTIONS  # noqa: E402
 from gradaccum.backends.tensorflow.screening import NONFINITE, check_nonfinite  # noqa: E402
 from gradaccum.backends.tensorflow.state import AccumulatorState, Untracked  # noqa: E402
@@ -506,17 +507,17 @@ class GradientAccumulator(tf.Module):
             )
             return tf.constant(True)
 
-        return tf.cond(
-            tf.logical_and(condition, self.state.micro_step > 0),
-            update,
-            lambda: self._close_if_empty(condition),
-        )
+        def due():
+            return tf.cond(self.state.micro_step > 0, update, self._close_empty)
 
-    def _close_if_empty(self, condition):
+        # Most micro-batches close nothing: their branch is empty, and the update's
+        # is not walked (`rare_cond`).
+        return rare_cond(condition, due, lambda: tf.constant(False))
+
+    def _close_empty(self):
         """A window due with nothing accumulated (every micro-batch skipped) closes
         without an update: its skips no longer count towards a window."""
-        skipped = self.state.window_skipped
-        skipped.assign(tf.where(condition, tf.zeros_like(skipped), skipped))
+        self.state.window_skipped.assign(tf.zeros_like(self.state.window_skipped))
         return tf.constant(False)
 
     def _apply_combined(self, optimizer, combined, received, window_weight,

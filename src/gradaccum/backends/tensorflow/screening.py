@@ -42,17 +42,29 @@ def all_finite(gradients):
     float32 sum overflows: only then does an element-wise check decide, so the
     screen costs one pass and reports no false positive.
     """
+    if not any(g is not None for g in gradients):
+        return tf.constant(True)
+    return tf.cond(sums_finite(gradients), lambda: tf.constant(True),
+                   lambda: elementwise_finite(gradients))
+
+
+def sums_finite(gradients):
+    """Whether the sum of every gradient's elements is finite (a boolean scalar): True
+    says every gradient is finite; False says one is not, or a float32 sum of finite
+    values overflowed (`elementwise_finite` decides then)."""
+    sums = [tf.reduce_sum(tf.cast(_values(g), tf.float32)) for g in gradients
+            if g is not None]
+    if not sums:
+        return tf.constant(True)
+    return tf.math.is_finite(tf.add_n(sums))
+
+
+def elementwise_finite(gradients):
+    """Whether every element of every gradient is finite (a boolean scalar)."""
     values = [_values(g) for g in gradients if g is not None]
     if not values:
         return tf.constant(True)
-    sums = tf.stack([tf.reduce_sum(tf.cast(v, tf.float32)) for v in values])
-
-    def elementwise():
-        return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(v)) for v in values]))
-
-    return tf.cond(
-        tf.reduce_all(tf.math.is_finite(sums)), lambda: tf.constant(True), elementwise
-    )
+    return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(v)) for v in values]))
 
 
 def user_skip(nonfinite, gradients):
@@ -104,12 +116,6 @@ def screened(accumulator, gradients, add, windowed: bool = True):
     micro-batch counts towards the open window's length if `windowed`."""
     state, policy = accumulator.state, accumulator.nonfinite
     state.micro_batches.assign_add(1)
-    accepted = accept(policy, gradients)
-    if accepted is None:
-        add()
-        return tf.constant(True)
-    if policy == "raise":
-        accepted = _raise_unless(accumulator, accepted)
 
     def run():
         add()
@@ -119,7 +125,22 @@ def screened(accumulator, gradients, add, windowed: bool = True):
         count_skip(accumulator, windowed)
         return tf.constant(False)
 
-    accepted = tf.cond(accepted, run, skip)
+    if policy == "skip":
+        # One branch on the usual path: the sums decide, and only when they are not
+        # finite does the element-wise check run (a float32 sum may overflow).
+        accepted = tf.cond(
+            sums_finite(gradients),
+            run,
+            lambda: tf.cond(elementwise_finite(gradients), run, skip),
+        )
+    else:
+        accepted = accept(policy, gradients)
+        if accepted is None:
+            add()
+            return tf.constant(True)
+        if policy == "raise":
+            accepted = _raise_unless(accumulator, accepted)
+        accepted = tf.cond(accepted, run, skip)
     if tf.executing_eagerly() and policy == "skip" and not bool(accepted):
         accumulator._warn_skipped()
     return accepted
