@@ -23,6 +23,7 @@ from gradaccum._validation import (  # noqa: F401 (re-exported)
     check_callable_result,
     check_nonfinite,
 )
+from gradaccum.backends.tensorflow.branching import rare_cond
 from gradaccum.core.screening import (  # noqa: F401 (re-exported)
     RAISE_WORDS,
     raise_message,
@@ -127,11 +128,13 @@ def screened(accumulator, gradients, add, windowed: bool = True):
 
     if policy == "skip":
         # One branch on the usual path: the sums decide, and only when they are not
-        # finite does the element-wise check run (a float32 sum may overflow).
+        # finite does the element-wise check run (a float32 sum may overflow). That
+        # rare branch holds `add` again (at steps=1 an optimizer update): kept whole
+        # (`rare_cond`), it is not walked on every micro-batch.
         accepted = tf.cond(
             sums_finite(gradients),
             run,
-            lambda: tf.cond(elementwise_finite(gradients), run, skip),
+            lambda: rare_cond(elementwise_finite(gradients), run, skip),
         )
     else:
         accepted = accept(policy, gradients)

@@ -108,7 +108,7 @@ class AccumulatorState(tf.Module):
         """Counts an update and remembers what its window held."""
         self.last_window_micro_batches.assign(tf.cast(micro_batches, tf.int64))
         self.last_window_weight.assign(tf.cast(window_weight, self.last_window_weight.dtype))
-        self.updates.assign(self.updates + 1)
+        self.updates.assign_add(1)
 
     def reset_window(self) -> None:
         """Empties the open window; the running totals stay."""
