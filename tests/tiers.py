@@ -127,6 +127,23 @@ FEATURES = {
 SLOW = [
     # KerasHub tasks on JAX (about a minute each on 2 cores).
     "jax_backend/test_jax_hub.py",
+    # gradaccum.audit's other causes and restorations (the fast tier keeps FEATURES'
+    # audit rows and the bad inputs), on both backends.
+    "test_audit.py::test_uniform_weighting_with_unequal_normalizers_is_named",
+    "test_audit.py::test_layers_without_random_draws_are_not_named_and_listed_generators_are",
+    "test_audit.py::test_mixed_precision_is_measured_against_its_own_rounding",
+    "test_audit.py::test_a_skipped_micro_batch_is_named",
+    "test_audit.py::test_an_optimizer_applied_to_overlapping_variables_is_named",
+    "test_audit.py::test_two_optimizers_are_exact_unless_a_gradient_follows_an_update",
+    "test_audit.py::test_audit_builds_the_optimizer_in_the_models_distribution_scope",
+    "test_audit.py::test_the_global_seed_generator_is_put_back",
+    "jax_backend/test_jax_audit.py::test_uniform_weighting_with_unequal_normalizers_is_named",
+    "jax_backend/test_jax_audit.py::"
+    "test_layers_without_random_draws_are_not_named_and_listed_generators_are",
+    "jax_backend/test_jax_audit.py::test_mixed_precision_is_measured_against_its_own_rounding",
+    "jax_backend/test_jax_audit.py::test_a_skipped_micro_batch_is_named",
+    # steps=1 against plain Keras with every optimizer (the skip stays fast).
+    "jax_backend/test_jax_accumulate.py::test_steps_1_is_plain_keras_training",
     # The JAX adapter's other options (each compiles its own step: seconds apiece); its
     # fast tier keeps FEATURES' JAX rows, the partial window, the budget, the skip, the
     # bad inputs and the README's JAX code.

@@ -467,3 +467,37 @@ def test_a_skipped_micro_batch_leaves_the_batch_statistics_as_they_were():
     for ours, theirs in zip(statistics, reference.layers[0].non_trainable_variables):
         np.testing.assert_allclose(ours, theirs.numpy(), rtol=1e-6)
     assert np.isfinite(model.predict(x[:4], verbose=0)).all()
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_steps_1_is_plain_keras_training(name):
+    # steps=1 applies each micro-batch's gradient directly (no accumulator): the
+    # same as Keras's own fit, an unequal last batch and the optimizer state included.
+    x, y = data(40)
+    model = _trainer(steps=1, optimizer=OPTIMIZERS[name]())
+    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    plain = mlp(0)
+    plain.compile(OPTIMIZERS[name](), SCE)
+    plain.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(model, plain)
+    assert_optimizer_close(model.optimizer, plain.optimizer)
+    assert int(model.optimizer.iterations) == 6
+    assert history.history["updates"] == [3.0, 6.0]
+    assert history.history["window_micro_batches"] == [1.0, 1.0]
+    assert history.history["window_weight"] == [8.0, 8.0]
+
+
+def test_steps_1_skips_a_nonfinite_micro_batch():
+    x, y = data(24)
+    bad = x.copy()
+    bad[9, 0] = np.nan  # batch 3 of 6
+    model = _trainer(steps=1, optimizer=keras.optimizers.Adam(0.05))
+    with pytest.warns(UserWarning, match="skipped 1 micro-batch"):
+        history = model.fit(bad, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    keep = np.r_[0:8, 12:24]
+    plain = mlp(0)
+    plain.compile(keras.optimizers.Adam(0.05), SCE)
+    plain.fit(x[keep], y[keep], batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(model, plain)
+    assert_optimizer_close(model.optimizer, plain.optimizer)
+    assert history.history["skipped"] == [1.0] and history.history["updates"] == [5.0]

@@ -42,17 +42,12 @@ ERRORS = AccumulationState.ERRORS
 
 
 def all_finite(gradients):
-    """Whether every gradient is finite: one sum per gradient, and an element-wise
-    check only when a sum is not (a finite gradient whose sum overflows)."""
+    """Whether every element of every gradient is finite: one fused reduction per
+    gradient (XLA folds it into the pass that makes the gradient), no branch."""
     values = [g for g in gradients if g is not None]
     if not values:
         return jnp.asarray(True)
-    sums = jnp.stack([jnp.sum(v.astype("float32")) for v in values])
-    return jax.lax.cond(
-        jnp.all(jnp.isfinite(sums)),
-        lambda: jnp.asarray(True),
-        lambda: jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in values])),
-    )
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in values]))
 
 
 class TrainStep:
@@ -102,6 +97,11 @@ class TrainStep:
             self.scale_slot = slot[id(optimizer.dynamic_scale)]
             self.inner_slots = [slot[id(v)] for v in optimizer.inner_optimizer.variables]
         self.terms = int(state.term_ratios.shape[0])
+        # A window of one micro-batch (steps=1) in Keras's step: the micro-batch's
+        # gradient is the window's, applied without passing through the accumulators
+        # (as TensorFlow's step does): no pass to add it, none to read and reset it.
+        self.direct = (own_step is None and not options.split and not self.loss_scaled
+                       and options.window.constant == 1)
         # Whether the fit can restore inside an epoch (BackupAndRestore): only then
         # does the step carry the branch that skips micro-batches trained on.
         self.resumable = False
@@ -142,10 +142,11 @@ class TrainStep:
         # The state as the micro-batch found it.
         entry = dict(ours)
         (ours, optimizer_variables, new_non_trainable, new_metrics, loss, y_pred, weight,
-         error) = self.accumulate(trainable, non_trainable, optimizer_variables,
-                                  metrics_variables, ours, x, y, sample_weight)
+         error, gradients) = self.accumulate(trainable, non_trainable, optimizer_variables,
+                                             metrics_variables, ours, x, y, sample_weight)
         trainable_after, optimizer_after, window, epoch_step = self.window_end(
-            trainable, optimizer_variables, ours, error
+            trainable, optimizer_variables, ours, error,
+            gradients if self.direct else None,
         )
         logs, metrics_after = self.stateless_metrics(
             new_metrics, loss, weight, lambda: self.model.compute_metrics(
@@ -157,10 +158,11 @@ class TrainStep:
         return (logs, *self.held(after, trainable, non_trainable, optimizer_variables,
                                  metrics_variables, entry, epoch_step))
 
-    def window_end(self, trainable, optimizer_variables, ours, error):
+    def window_end(self, trainable, optimizer_variables, ours, error, direct=None):
         """After a micro-batch of `steps` mode: the window closed (and applied) if
         its rule says so, or at the end of the epoch's data. Returns the trainable
-        and optimizer variables, the window and the epoch's position."""
+        and optimizer variables, the window and the epoch's position. `direct`: the
+        micro-batch's gradients, when they are the window's (`self.direct`)."""
         options = self.options
         micro_step, total_weight = ours["micro_step"], ours["total_weight"]
         epoch_step = ours["epoch_step"] + 1
@@ -174,7 +176,7 @@ class TrainStep:
         close = (due | end if partial != "carry" else due) & (error == 0)
         apply = close & (micro_step > 0) & ((partial != "drop") | due)
         trainable, optimizer_variables, window = self.close(
-            trainable, optimizer_variables, ours, apply, close
+            trainable, optimizer_variables, ours, apply, close, direct=direct
         )
         window["epoch_step"] = epoch_step
         return trainable, optimizer_variables, window, epoch_step
@@ -318,8 +320,8 @@ class TrainStep:
             non_trainable, optimizer_variables, metrics_variables, ours, weighted, weights = carry
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(micro)
             (ours, optimizer_variables, non_trainable, metrics_variables, loss, y_pred,
-             weight, _) = self.accumulate(trainable, non_trainable, optimizer_variables,
-                                          metrics_variables, ours, x, y, sample_weight)
+             weight, _, _) = self.accumulate(trainable, non_trainable, optimizer_variables,
+                                             metrics_variables, ours, x, y, sample_weight)
             _, metrics_variables = self.stateless_metrics(
                 metrics_variables, None, None,
                 lambda: self.model.compute_metrics(x, y, y_pred, sample_weight),
@@ -400,7 +402,7 @@ class TrainStep:
             )
             # Under loss scaling the weight comes with the unscaling instead, so
             # that the scaled loss is the one Keras scales (no extra overflows).
-            weigh_loss = mean and not self.loss_scaled
+            weigh_loss = mean and not self.loss_scaled and not self.direct
             value = loss * weight.astype(loss.dtype) if weigh_loss else loss
             return value, (aux, weight, normalizers)
 
@@ -416,7 +418,7 @@ class TrainStep:
         new_non_trainable = kept_unless_accepted(new_non_trainable, non_trainable,
                                                  before, ours)
         return (ours, optimizer_variables, new_non_trainable, new_metrics, unscaled_loss,
-                y_pred, weight, error)
+                y_pred, weight, error, gradients)
 
     def add(self, ours, gradients, weight, normalizers, optimizer_variables):
         """One micro-batch's gradients (weighted already, except under loss scaling)
@@ -468,7 +470,7 @@ class TrainStep:
 
         weight = weight.astype(ours["total_weight"].dtype)
         for i, g in enumerate(gradients):
-            if g is None:
+            if g is None or self.direct:
                 continue  # no gradient for this variable: zero in this micro-batch
             total = ours[f"accumulator_{i}"]
             ours[f"accumulator_{i}"] = jnp.where(accept, total + g.astype(total.dtype), total)
@@ -596,16 +598,23 @@ class TrainStep:
         ours["term_ratios"] = jnp.where(opening, ratios, previous)
         return ours
 
-    def close(self, trainable, optimizer_variables, window, apply, close, appliers=None):
+    def close(self, trainable, optimizer_variables, window, apply, close, appliers=None,
+              direct=None):
         """The window after this micro-batch: applied with one update of each
-        optimizer (`appliers`: the step's) when `apply`, reset when `close`."""
+        optimizer (`appliers`: the step's) when `apply`, reset when `close`.
+        `direct`: the micro-batch's gradients, applied as they are (a window of one
+        micro-batch that did not go through the accumulators)."""
         n = len(trainable)
         options = self.options
         appliers = self.appliers if appliers is None else appliers
 
         def update(operands):
             trainable, optimizer_variables, sums, total_weight = operands
-            gradients = combine(sums, total_weight, options.reduction, self.variable_dtypes)
+            if direct is not None:
+                gradients = [g.astype(dtype) for g, dtype in zip(sums, self.variable_dtypes)]
+            else:
+                gradients = combine(sums, total_weight, options.reduction,
+                                    self.variable_dtypes)
             trainable, optimizer_variables = list(trainable), list(optimizer_variables)
             for applier in appliers:
                 optimizer, slots = applier.optimizer, applier.optimizer_slots
@@ -629,7 +638,11 @@ class TrainStep:
             trainable, optimizer_variables, _, _ = operands
             return list(trainable), list(optimizer_variables)
 
-        sums = [window[f"accumulator_{i}"] for i in range(n)]
+        if direct is not None:
+            sums = [jnp.zeros(v.shape, v.dtype) if g is None else g
+                    for g, v in zip(direct, trainable)]
+        else:
+            sums = [window[f"accumulator_{i}"] for i in range(n)]
         trainable, optimizer_variables = jax.lax.cond(
             apply, update, keep,
             (list(trainable), list(optimizer_variables), sums, window["total_weight"]),
@@ -643,7 +656,7 @@ class TrainStep:
         window["last_window_weight"] = jnp.where(
             apply, window["total_weight"], window["last_window_weight"]
         )
-        for i, total in enumerate(sums):
+        for i, total in enumerate(sums if direct is None else []):
             window[f"accumulator_{i}"] = jnp.where(close, jnp.zeros_like(total), total)
         for field in ("total_weight", "micro_step", "window_skipped"):
             window[field] = jnp.where(close, jnp.zeros_like(window[field]), window[field])
