@@ -164,7 +164,7 @@ class Accumulation:
             function, "gradaccum_skips", False
         ):
             function = resume.skipping_restored(self, function)
-        host.train_function = function
+        host.train_function = _logs.unpacking(function)
         return host.train_function
 
     def replicas(self) -> int:

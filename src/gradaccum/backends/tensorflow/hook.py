@@ -44,6 +44,9 @@ class EpochHook(keras.callbacks.Callback):
         self._skipped_before = self._state.skipped
 
     def on_train_batch_end(self, batch, logs=None):
+        # Named before the callbacks after this one see them (logs that reach the
+        # callbacks packed: under several workers).
+        _logs.unpacked(logs)
         self._calls += 1
         accumulation = self._accumulation.value
         host = accumulation.host
