@@ -12,7 +12,9 @@ Contenders, each trains `n` micro-batches of b with Adam 1e-3 through `fit`:
 - `plain`: plain `fit` at b (one update per micro-batch);
 - `builtin`: Keras's `gradient_accumulation_steps=k` (k > 1);
 - `accumulate`: `gradaccum.accumulate(model, steps=k)` (at k = 1 plain training through
-  gradaccum: its sparse gradients summed, its non-finite screen).
+  gradaccum: its sparse gradients summed, its non-finite screen);
+- `unscreened` (k = 1): the same with `nonfinite="apply"`, Keras's behaviour on a
+  non-finite gradient: what the screen costs.
 
 Every cell runs at `steps_per_execution` 1 and k (micro-batches per compiled call); the
 contenders of a cell live in one process and are timed interleaved, `--repeats` times,
@@ -41,7 +43,7 @@ sys.path.insert(0, str(HERE))
 
 SAMPLES = {"mlp": 8192, "cnn": 2048, "transformer": 2048}
 GRID = (("mlp", "cnn", "transformer"), (8, 32, 128), (1, 4, 16))
-CONTENDERS = ("plain", "builtin", "accumulate")
+CONTENDERS = ("plain", "builtin", "accumulate", "unscreened")
 
 
 def make(name: str, workload: str, b: int, k: int, spe: int):
@@ -54,10 +56,11 @@ def make(name: str, workload: str, b: int, k: int, spe: int):
         optimizer = keras.optimizers.Adam(1e-3, gradient_accumulation_steps=k)
     else:
         optimizer = keras.optimizers.Adam(1e-3)
-    if name == "accumulate":
+    if name in ("accumulate", "unscreened"):
         import gradaccum
 
-        model = gradaccum.accumulate(model, steps=k)
+        nonfinite = "apply" if name == "unscreened" else "skip"
+        model = gradaccum.accumulate(model, steps=k, nonfinite=nonfinite)
     elif name not in ("plain", "builtin"):
         raise ValueError(f"unknown contender {name!r}")
     model.compile(optimizer, workloads.loss(), steps_per_execution=spe)
@@ -69,15 +72,18 @@ def make(name: str, workload: str, b: int, k: int, spe: int):
 
 
 def contenders_for(k: int) -> list[str]:
-    return ["plain", "builtin", "accumulate"] if k > 1 else ["plain", "accumulate"]
+    return ["plain", "builtin", "accumulate"] if k > 1 else ["plain", "accumulate",
+                                                             "unscreened"]
 
 
-def measure(workload: str, b: int, k: int, spe: int, names, repeats: int) -> dict:
-    """Samples/s of each contender, per repeat (interleaved, rotating the order)."""
+def measure(workload: str, b: int, k: int, spe: int, names, repeats: int,
+            scale: float = 1.0) -> dict:
+    """Samples/s of each contender, per repeat (interleaved, rotating the order), on
+    `scale` times the workload's samples."""
     import workloads
 
     unit = k * spe // _gcd(k, spe)
-    micro = max(unit, SAMPLES[workload] // b // unit * unit)
+    micro = max(unit, int(SAMPLES[workload] * scale) // b // unit * unit)
     x, y = workloads.data(workload, micro * b)
     trainers = {}
     for name in names:
@@ -117,11 +123,12 @@ def cells(workloads_, batches, steps):
                     yield workload, b, k, spe
 
 
-def grid(workloads_, batches, steps, repeats: int) -> list[dict]:
+def grid(workloads_, batches, steps, repeats: int, scale: dict) -> list[dict]:
     rows = []
     for workload, b, k, spe in cells(workloads_, batches, steps):
         started = time.perf_counter()
-        rates = measure(workload, b, k, spe, contenders_for(k), repeats)
+        rates = measure(workload, b, k, spe, contenders_for(k), repeats,
+                        scale.get(workload, 1.0))
         rows.append({"workload": workload, "b": b, "k": k, "spe": spe, "rates": rates})
         print(f"{workload} b={b} k={k} spe={spe}: " + ", ".join(
             f"{n} {statistics.median(v):.0f}" for n, v in rates.items())
@@ -135,8 +142,8 @@ def _show(r) -> str:
 
 def table(rows: list[dict]) -> str:
     out = ["| workload | b | k | steps_per_execution | plain fit | built-in | accumulate | "
-           "accumulate / built-in | accumulate / plain fit |",
-           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+           "accumulate / built-in | accumulate / plain fit | nonfinite='apply' / plain fit |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |"]
     for row in rows:
         rates = row["rates"]
 
@@ -147,7 +154,8 @@ def table(rows: list[dict]) -> str:
             f"| {row['workload']} | {row['b']} | {row['k']} | {row['spe']} | "
             f"{cell('plain')} | {cell('builtin')} | {cell('accumulate')} | "
             f"{_show(ratio(rates, 'accumulate', 'builtin'))} | "
-            f"{_show(ratio(rates, 'accumulate', 'plain'))} |")
+            f"{_show(ratio(rates, 'accumulate', 'plain'))} | "
+            f"{_show(ratio(rates, 'unscreened', 'plain'))} |")
     return "\n".join(out)
 
 
@@ -174,6 +182,13 @@ def summary(rows: list[dict], backend: str) -> str:
             f"{statistics.median(vs_plain):.2f}, range {min(vs_plain):.2f}-"
             f"{max(vs_plain):.2f}; >= {goal_plain} in "
             f"{sum(v >= goal_plain for v in vs_plain)} of {len(vs_plain)} cells.")
+    unscreened = [ratio(r["rates"], "unscreened", "plain")[0] for r in rows
+                  if "unscreened" in r["rates"]]
+    if unscreened:
+        lines.append(
+            f"- accumulate with nonfinite='apply' / plain fit (k = 1, no screen): median "
+            f"{statistics.median(unscreened):.2f}, range {min(unscreened):.2f}-"
+            f"{max(unscreened):.2f}.")
     return "\n".join(lines)
 
 
@@ -227,6 +242,8 @@ def main(argv=None):
     parser.add_argument("--batches", type=_ints, default=GRID[1])
     parser.add_argument("--steps", type=_ints, default=GRID[2])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--scale", default="", help="more samples for some workloads, "
+                        "e.g. mlp=8 (JAX trains the MLP in a few ms a call)")
     parser.add_argument("--json", type=pathlib.Path, help="also write the rows here")
     parser.add_argument("--write", action="store_true",
                         help="replace this backend's generated table in BENCHMARKS.md")
@@ -244,8 +261,10 @@ def main(argv=None):
         print(json.dumps({"cell": args.cell, "contender": args.contender,
                           "rates": rates[args.contender]}))
         return
+    scale = {name: float(value) for name, value in
+             (item.split("=") for item in args.scale.split(",") if item)}
     started = time.perf_counter()
-    rows = grid(args.workloads, args.batches, args.steps, args.repeats)
+    rows = grid(args.workloads, args.batches, args.steps, args.repeats, scale)
     if args.json:
         args.json.write_text(json.dumps({"backend": backend, "rows": rows}, indent=1))
     command = f"KERAS_BACKEND={backend} python benchmarks/equal.py " + " ".join(
