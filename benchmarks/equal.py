@@ -194,15 +194,9 @@ def summary(rows: list[dict], backend: str) -> str:
 
 def environment(backend: str) -> str:
     import keras
+    from workloads import cpu_name
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_name()
     if backend == "jax":
         import jax
 

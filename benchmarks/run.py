@@ -204,15 +204,9 @@ def tables(rows, memory, have_ga) -> str:
 def environment() -> str:
     import keras
     import tensorflow as tf
+    from workloads import cpu_name
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_name()
     gpus = tf.config.list_physical_devices("GPU")
     return (f"Machine: {os.cpu_count()} cores ({cpu}), "
             f"{'GPU: ' + str(len(gpus)) if gpus else 'no GPU'}; Python "

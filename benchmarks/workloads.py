@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pathlib
+import platform
+
 import keras
 import numpy as np
 
@@ -54,3 +57,14 @@ def data(name: str, n: int, seed: int = 0):
 
 def loss():
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def cpu_name() -> str:
+    """The processor's model name (Linux's /proc/cpuinfo), for the tables' headers."""
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

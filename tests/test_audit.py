@@ -13,9 +13,14 @@ from audit_cases import data, mlp
 from test_defects import _two_heads
 
 
-def test_an_optimizer_applied_twice_per_batch_is_named():
+def _heads_data():
+    """16 samples of 5 features and 3 classes for `_two_heads`' models."""
     rng = np.random.default_rng(1)
-    x, y = rng.normal(size=(16, 5)).astype("float32"), np.arange(16) % 3
+    return rng.normal(size=(16, 5)).astype("float32"), np.arange(16) % 3
+
+
+def test_an_optimizer_applied_twice_per_batch_is_named():
+    x, y = _heads_data()
     report = gradaccum.audit(_two_heads("twice"), x, y, steps=2, batch_size=8)
     assert not report.exact
     assert report.causes == [
@@ -26,8 +31,7 @@ def test_an_optimizer_applied_twice_per_batch_is_named():
 
 
 def test_an_optimizer_applied_to_overlapping_variables_is_named():
-    rng = np.random.default_rng(1)
-    x, y = rng.normal(size=(16, 5)).astype("float32"), np.arange(16) % 3
+    x, y = _heads_data()
     report = gradaccum.audit(_two_heads("overlap"), x, y, steps=2, batch_size=8)
     assert not report.exact
     assert report.causes == [
@@ -38,8 +42,7 @@ def test_an_optimizer_applied_to_overlapping_variables_is_named():
 
 
 def test_two_optimizers_are_exact_unless_a_gradient_follows_an_update():
-    rng = np.random.default_rng(1)
-    x, y = rng.normal(size=(16, 5)).astype("float32"), np.arange(16) % 3
+    x, y = _heads_data()
     # Both gradients from one tape, before either update: exact.
     heads = gradaccum.audit(_two_heads("list"), x, y, steps=2, batch_size=8)
     assert heads.exact and heads.causes == [], str(heads)

@@ -134,6 +134,12 @@ def named_optimizers(model) -> list:
     return found
 
 
+def optimizer_name(model, optimizer) -> str:
+    """The name `model` reaches `optimizer` by (`named_optimizers`), or "optimizer"."""
+    return next((name for name, found in named_optimizers(model) if found is optimizer),
+                "optimizer")
+
+
 def is_loss_scale_optimizer(optimizer) -> bool:
     return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
 

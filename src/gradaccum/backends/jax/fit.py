@@ -343,8 +343,7 @@ class Accumulation:
         step = self.step
         optimizers = []
         if step is not None and self.own_train_step is not None:
-            names = {id(o): name for name, o in kc.named_optimizers(self.host)}
-            optimizers = [names.get(id(a.optimizer), "optimizer") for a in step.appliers]
+            optimizers = [kc.optimizer_name(self.host, a.optimizer) for a in step.appliers]
         return {"repeated": [], "optimizers": optimizers,
                 "inexact": bool(state is not None and state.inexact.numpy()),
                 "skipped": 0 if state is None else int(state.skipped.numpy())}

@@ -470,8 +470,10 @@ class TrainStep:
 
         weight = weight.astype(ours["total_weight"].dtype)
         for i, g in enumerate(gradients):
+            # No gradient for this variable: zero in this micro-batch. `direct`: the
+            # gradient goes to the update as it is, not through the accumulator.
             if g is None or self.direct:
-                continue  # no gradient for this variable: zero in this micro-batch
+                continue
             total = ours[f"accumulator_{i}"]
             ours[f"accumulator_{i}"] = jnp.where(accept, total + g.astype(total.dtype), total)
         ours["total_weight"] = ours["total_weight"] + jnp.where(accept, weight, 0)

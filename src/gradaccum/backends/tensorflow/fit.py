@@ -398,11 +398,11 @@ class Accumulation:
     def audit_findings(self) -> dict:
         """What the accumulation saw that makes it differ from the large batch."""
         state = self.state
-        names = {id(optimizer): name for name, optimizer in kc.named_optimizers(self.host)}
+        host = self.host
         return {
             "repeated": list(self.own_step.repeated),
             # Optimizer calls whose gradients depend on an earlier call's update.
-            "stale": [(names.get(id(a), "optimizer"), names.get(id(b), "optimizer"))
+            "stale": [(kc.optimizer_name(host, a), kc.optimizer_name(host, b))
                       for a, b in self.own_step.stale],
             "inexact": bool(state is not None and state.inexact.numpy()),
             "skipped": 0 if state is None else int(state.skipped),

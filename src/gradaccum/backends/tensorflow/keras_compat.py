@@ -38,6 +38,7 @@ from gradaccum._keras_common import (  # noqa: F401 (re-exported)
     is_optimizer,
     loss_tracker,
     named_optimizers,
+    optimizer_name,
     set_compile_config,
     squeeze_or_expand_to_same_rank,
 )

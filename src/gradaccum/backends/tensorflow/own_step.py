@@ -91,14 +91,13 @@ class OwnStep:
     def _note_repeats(self, host, calls) -> None:
         """Records the optimizers the step (being traced) applied several times per
         batch to variables those calls share (the same list, or lists that overlap),
-        for `repeat_warning`. `calls`: `(optimizer id, variable ids)` per call."""
-        for optimizer_id in dict.fromkeys(o for o, _ in calls):
-            mine = [variables for o, variables in calls if o == optimizer_id]
+        for `repeat_warning`. `calls`: `(optimizer, variable ids)` per call."""
+        for optimizer in {id(o): o for o, _ in calls}.values():
+            mine = [variables for o, variables in calls if o is optimizer]
             count = len(mine)
             if not any(mine[i] & mine[j] for i in range(count) for j in range(i)):
                 continue
-            name = next((name for name, optimizer in kc.named_optimizers(host)
-                         if id(optimizer) == optimizer_id), "optimizer")
+            name = kc.optimizer_name(host, optimizer)
             if (name, count) not in self.repeated:
                 self.repeated.append((name, count))
 
@@ -185,7 +184,7 @@ class OwnStep:
         key = (id(optimizer), tuple(id(v) for v in variables))
         occurrence = local.calls_in_step.get(key, 0)
         local.calls_in_step[key] = occurrence + 1
-        local.calls.append((id(optimizer), frozenset(id(v) for v in variables)))
+        local.calls.append((optimizer, frozenset(id(v) for v in variables)))
         self._note_stale(optimizer, grads, variables)
         acc = self.accumulator(optimizer, variables, occurrence)
         x, y, sample_weight = local.micro_batch
