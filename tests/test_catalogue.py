@@ -191,7 +191,67 @@ def audited(steps=2, batch_size=4, compiled=True, built=True, accumulated=False,
     gradaccum.audit(model, x, y, steps=steps, batch_size=batch_size, **kwargs)
 
 
+def private(model=None, steps=2, fit_it=False, dataset_size=None, policy=None, **kwargs):
+    """`accumulate(..., privacy=Privacy(1.0, 1.0, ...))` on `model` (an MLP named 'net'),
+    compiled, and fit on 8 samples in batches of 4 when `fit_it`."""
+    model = model if model is not None else keras.Sequential(
+        [keras.Input((5,)), keras.layers.Dense(3)], name="net")
+    privacy = gradaccum.Privacy(1.0, 1.0, dataset_size=dataset_size, delta=1e-3)
+    gradaccum.accumulate(model, steps=steps, privacy=privacy, **kwargs)
+    optimizer = keras.optimizers.SGD(0.1)
+    if policy == "loss_scale":
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+    model.compile(optimizer=optimizer, loss=SCE)
+    if fit_it:
+        x, y = make_data(8)
+        model.fit(x, y, batch_size=4, verbose=0)
+    return model
+
+
+class StepOfItsOwn(keras.Model):
+    def train_step(self, data):
+        return {}
+
+
+class LossOfItsOwn(keras.Model):
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        return keras.ops.mean(y_pred)
+
+
+def functional(cls, name):
+    inputs = keras.Input((5,))
+    return cls(inputs, keras.layers.Dense(3)(inputs), name=name)
+
+
+def spent_without_delta():
+    model = gradaccum.accumulate(make_mlp(), steps=2, privacy=gradaccum.Privacy(1.0, 1.0))
+    gradaccum.privacy_spent(model, dataset_size=100)
+
+
 CASES = {
+    # Privacy(...), privacy_spent(...), accumulate(..., privacy=...)
+    "privacy-clip": lambda: gradaccum.Privacy(l2_norm_clip=0, noise_multiplier=1.0),
+    "privacy-noise": lambda: gradaccum.Privacy(l2_norm_clip=1.0, noise_multiplier=-0.5),
+    "privacy-seed": lambda: gradaccum.Privacy(1.0, 1.0, seed=1.5),
+    "privacy-delta": lambda: gradaccum.Privacy(1.0, 1.0, delta=1.5),
+    "privacy-dataset-size": lambda: gradaccum.Privacy(1.0, 1.0, dataset_size=0),
+    "privacy-accountant": lambda: gradaccum.Privacy(1.0, 1.0, accountant="moments"),
+    "privacy-type": lambda: gradaccum.accumulate(
+        make_mlp(), steps=2, privacy={"l2_norm_clip": 1.0}),
+    "privacy-window-larger-than-dataset": lambda: private(fit_it=True, dataset_size=6),
+    "privacy-weighting": lambda: private(weighting="uniform"),
+    "privacy-own-train-step": lambda: private(functional(StepOfItsOwn, "stepper")),
+    "privacy-own-compute-loss": lambda: private(functional(LossOfItsOwn, "contrastive")),
+    "privacy-batch-norm": lambda: private(keras.Sequential(
+        [keras.Input((5,)), keras.layers.BatchNormalization(name="bn"),
+         keras.layers.Dense(3)], name="net")),
+    "privacy-activity-regularizer": lambda: private(keras.Sequential(
+        [keras.Input((5,)), keras.layers.Dense(3, activity_regularizer="l2", name="dense")],
+        name="net")),
+    "privacy-loss-scale": lambda: private(policy="loss_scale", fit_it=True),
+    "privacy-spent-not-private": lambda: gradaccum.privacy_spent(
+        keras.Sequential([keras.layers.Dense(1)], name="net")),
+    "privacy-spent-delta": spent_without_delta,
     # audit
     "audit-batch-size": lambda: audited(batch_size=16),
     "audit-steps": lambda: audited(steps=0),

@@ -119,12 +119,19 @@ FEATURES = {
     "JAX: a GAN's two optimizers in its own stateless train_step":
         "jax_backend/test_jax_own_step.py::"
         "test_a_gan_s_two_optimizers_each_update_once_per_window[arrays]",
+    "privacy: per-example clipping, noise once per window, the accountant":
+        "test_privacy.py::test_without_noise_the_update_is_the_mean_of_per_example_clipped_gradients",
     "JAX: keras.distribution DataParallel and ModelParallel (2 devices, a child process)":
         "jax_backend/test_jax_distribution.py::"
         "test_data_and_model_parallel_on_two_devices_equal_one_device",
 }
 
 SLOW = [
+    # Privacy: the fast tier keeps the clipped mean, the noise's deviation, the
+    # accountant and the refusals.
+    "test_privacy.py::test_a_gpt2_task_with_lora_trains_privately_on_strings",
+    "test_privacy.py::test_two_replicas_add_the_noise_once_to_the_global_window",
+    "test_privacy.py::test_split_mode_and_wrap_make_the_same_private_updates",
     # KerasHub tasks on JAX (about a minute each on 2 cores).
     "jax_backend/test_jax_hub.py",
     # gradaccum.audit's other causes and restorations (the fast tier keeps FEATURES'
@@ -314,6 +321,7 @@ SLOW = [
 ]
 
 HUB = [
+    "test_privacy.py::test_a_gpt2_task_with_lora_trains_privately_on_strings",
     "test_audit.py::test_a_keras_hub_task_on_strings_is_exact",
     "jax_backend/test_jax_audit.py::test_a_keras_hub_task_on_strings_is_exact",
     "test_accumulate_hub.py",
@@ -321,6 +329,7 @@ HUB = [
 ]
 
 MULTI_DEVICE = [
+    "test_privacy.py::test_two_replicas_add_the_noise_once_to_the_global_window",
     "jax_backend/test_jax_distribution.py",
     "test_replicas.py",
     "test_distribute.py",

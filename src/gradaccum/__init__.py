@@ -28,6 +28,8 @@ _EXPORTS = {
     "disable": "gradaccum.attach",
     "audit": "gradaccum.auditing",
     "AuditReport": "gradaccum.auditing",
+    "Privacy": "gradaccum.core.privacy",
+    "privacy_spent": "gradaccum.core.privacy",
 }
 
 __all__ = [
@@ -36,11 +38,13 @@ __all__ = [
     "BatchNormalization",
     "CountingCrossDeviceOps",
     "GradientAccumulator",
+    "Privacy",
     "__version__",
     "accumulate",
     "audit",
     "convert_batch_normalization",
     "disable",
+    "privacy_spent",
     "wrap",
 ]
 
@@ -50,6 +54,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from gradaccum.backends.tensorflow.accumulator import GradientAccumulator
     from gradaccum.backends.tensorflow.communication import CountingCrossDeviceOps
     from gradaccum.batch_norm import BatchNormalization, convert_batch_normalization
+    from gradaccum.core.privacy import Privacy, privacy_spent
     from gradaccum.keras_model import AccumulatingModel, wrap
 
 

@@ -36,7 +36,8 @@ PRIVATE_PIECES = (
 # Instance attributes read (checked on live objects by the tests): Model's
 # `_call_has_training_arg`, `_loss_tracker`, `_compile_loss` (with `_flat_losses` or
 # `_user_loss`), `_compile_config` (a SerializableDict with `.config`) and
-# `_metrics` (the list `Model.metrics` extends).
+# `_metrics` (the list `Model.metrics` extends; a CompileLoss's `_metrics` holds the
+# per-output loss metrics its call updates, set aside by privacy's per-example pass).
 
 
 def missing(pieces) -> list[str]:

@@ -19,6 +19,7 @@ import numpy as np
 from gradaccum import _backend
 from gradaccum import _keras_common as kc
 from gradaccum._validation import check_optimizer
+from gradaccum.core.privacy import check_model as check_private_model
 from gradaccum.weighting import record_normalizers
 
 # The instance attributes gradaccum sets on an accumulating model.
@@ -55,6 +56,7 @@ def accumulate(
     accumulator_dtype="float32",
     nonfinite="skip",
     weight_per_update: float | None = None,
+    privacy=None,
 ):
     """Makes `model`'s own `fit` train with exact gradient accumulation.
 
@@ -115,6 +117,9 @@ def accumulate(
         accumulator_dtype: dtype of the accumulators (float32 by default).
         nonfinite: `"skip"` (default), `"raise"`, `"apply"` or a callable
             `gradients -> bool`, as in `gradaccum.GradientAccumulator`.
+        privacy: a `gradaccum.Privacy`: differentially private training (DP-SGD),
+            each example's gradient clipped, the noise added once per window (see
+            there). Needs Keras's default train step and the compiled loss.
 
     Returns:
         `model` itself.
@@ -156,8 +161,10 @@ def accumulate(
     options = backend.Options(
         steps, weighting, partial, reduction, accumulator_dtype, nonfinite,
         micro_batch_size=micro_batch_size, max_micro_batch_size=max_micro_batch_size,
-        weight_per_update=weight_per_update,
+        weight_per_update=weight_per_update, privacy=privacy,
     )
+    if options.privacy is not None:
+        check_private_model(model, not kc.uses_default_train_step(model))
     if model.built:
         backend.check_model(model)
     accumulation = backend.Accumulation(options, layers=model)
@@ -308,7 +315,8 @@ def _recompile(model, accumulation, *, user_config, steps_per_execution_given):
     accumulation.user_compile_config = user_config
     check_optimizer(model.optimizer)
     config = dict(user_config, optimizer=model.optimizer)
-    if accumulation.options.weighting == "exact" and config.get("loss") is not None:
+    if (accumulation.options.weighting == "exact" and accumulation.options.privacy is None
+            and config.get("loss") is not None):
         config["loss"] = record_normalizers(config["loss"], accumulation.normalizers)
     if not steps_per_execution_given:
         config["steps_per_execution"] = accumulation.options.steps_per_execution(

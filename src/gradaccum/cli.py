@@ -60,6 +60,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return value
+
+
 def _configs(text: str) -> list[tuple[int, int]]:
     pairs = []
     for item in text.split(","):
@@ -123,6 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="micro-batches to train on, as in the source (default 1000)")
     train.add_argument("--json", type=pathlib.Path, default=None,
                        help="write the runs and their summary to this JSON file")
+    train.add_argument("--dp-clip", type=_positive_float, default=None,
+                       help="differentially private training (DP-SGD): clip each "
+                            "example's gradient to this L2 norm (with --dp-noise)")
+    train.add_argument("--dp-noise", type=_non_negative_float, default=None,
+                       help="DP-SGD: the noise multiplier sigma; noise N(0, (sigma C)^2) "
+                            "is added once per update (with --dp-clip)")
+    train.add_argument("--dp-delta", type=_positive_float, default=1e-5,
+                       help="DP-SGD: the delta epsilon is reported at (default 1e-5)")
     _common(train, runs_default=1)
 
     sweep = sub.add_parser(
@@ -222,6 +240,20 @@ def _options(args) -> dict:
                 evaluations=args.evaluations)
 
 
+def _privacy(parser, args, data):
+    """`train`'s DP-SGD settings (clip, noise multiplier, delta over the training
+    set), or None without them."""
+    if args.dp_clip is None and args.dp_noise is None:
+        return None
+    if args.dp_clip is None or args.dp_noise is None:
+        _fail(parser, args.command, "--dp-clip and --dp-noise must be given together "
+              "(the clipping norm C and the noise multiplier sigma)")
+    if not args.dp_delta < 1:
+        _fail(parser, args.command, f"--dp-delta must be in (0, 1), got {args.dp_delta:g}")
+    return dict(l2_norm_clip=args.dp_clip, noise_multiplier=args.dp_noise,
+                dataset_size=len(data.x_train), delta=args.dp_delta)
+
+
 def _train(parser, args) -> int:
     import json
 
@@ -230,20 +262,25 @@ def _train(parser, args) -> int:
     config = _train_config(parser, args)
     data = _load(parser, args)
     _check_batch(parser, args, data, _batch_of(config))
+    privacy = _privacy(parser, args, data)
+    private = (f", DP-SGD: clip {args.dp_clip:g}, noise multiplier {args.dp_noise:g}"
+               if privacy else "")
     form = (f", split: batches of {config.steps * config.batch_size} in micro-batches of "
             f"{config.batch_size}" if config.split else "")
     print(f"config: k={config.steps} b={config.batch_size} iterations={config.iterations} "
           f"({config.updates} updates of {config.steps * config.batch_size} samples{form}), "
-          f"{args.model}, {args.optimizer} lr={args.lr:g}, {args.runs} runs, seed {args.seed}",
-          flush=True)
+          f"{args.model}, {args.optimizer} lr={args.lr:g}, {args.runs} runs, seed {args.seed}"
+          f"{private}", flush=True)
     with _progress(args.runs) as bar:
         def on_run(index, result):
-            bar.write(f"run {index + 1}/{args.runs}: accuracy {result.accuracy:.2f}% "
+            spent = ("" if result.epsilon is None
+                     else f", epsilon {result.epsilon:.3g} at delta {args.dp_delta:g}")
+            bar.write(f"run {index + 1}/{args.runs}: accuracy {result.accuracy:.2f}%{spent} "
                       f"({result.wall_time:.1f} s, seed {result.seed})")
             bar.update(1)
 
         results = run_config(config, data, runs=args.runs, seed=args.seed, on_run=on_run,
-                             **_options(args))
+                             privacy=privacy, **_options(args))
     mean, std = summarize(results)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -251,10 +288,15 @@ def _train(parser, args) -> int:
             "data": data.describe(), "config": config.label, "k": config.steps,
             "b": config.batch_size, "iterations": config.iterations,
             "updates": config.updates, "mean": mean, "std": std, "std_ddof": 0,
+            "epsilon": results[-1].epsilon, "delta": args.dp_delta if privacy else None,
             "settings": vars(args) | {"json": str(args.json)},
             "runs": [r.to_dict() for r in results],
         }, indent=2, default=str))
-    print(f"mean accuracy ({args.runs} runs): {mean:.2f} +/- {std:.3f}")
+    spent = ("" if privacy is None else
+             f", epsilon {results[-1].epsilon:.3g} at delta {args.dp_delta:g} per run "
+             f"(RDP accountant, Poisson sampling at q = {config.steps * config.batch_size}"
+             f"/{len(data.x_train)})")
+    print(f"mean accuracy ({args.runs} runs): {mean:.2f} +/- {std:.3f}{spent}")
     return 0
 
 

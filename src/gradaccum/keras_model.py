@@ -16,6 +16,8 @@ import keras
 
 from gradaccum import _backend
 from gradaccum._validation import check_optimizer
+from gradaccum.core.privacy import PRIVACY_FIELDS, Privacy
+from gradaccum.core.privacy import check_model as check_private_model
 from gradaccum.core.window import PARTIALS  # noqa: F401 (re-exported)
 from gradaccum.weighting import record_normalizers
 
@@ -59,6 +61,7 @@ class AccumulatingModel(keras.Model):
         convert_batch_norm: bool = False,
         nonfinite: str = "skip",
         weight_per_update: float | None = None,
+        privacy=None,
         **kwargs,
     ):
         if not isinstance(model, keras.Model):
@@ -93,8 +96,11 @@ class AccumulatingModel(keras.Model):
         options = backend.Options(
             steps, weighting, partial, reduction, accumulator_dtype, nonfinite,
             micro_batch_size=micro_batch_size, max_micro_batch_size=max_micro_batch_size,
-            weight_per_update=weight_per_update,
+            weight_per_update=weight_per_update, privacy=_deserialized_privacy(privacy),
         )
+        if options.privacy is not None:
+            # The wrapper's own step and compiled loss train `model`.
+            check_private_model(model, own_train_step=False)
         _warn_if_own_training(model)
         kwargs.setdefault("name", f"gradaccum_{model.name}")
         super().__init__(**kwargs)
@@ -107,6 +113,7 @@ class AccumulatingModel(keras.Model):
         self.reduction = options.reduction
         self.accumulator_dtype = options.accumulator_dtype
         self.nonfinite = options.nonfinite
+        self.privacy = options.privacy
         self._accumulation = backend.Accumulation(options, layers=model)
         self._accumulation.attach(self)
         # The micro-batch size in use (split mode), outside Keras's tracking.
@@ -142,7 +149,7 @@ class AccumulatingModel(keras.Model):
             )
         optimizer = keras.optimizers.get(optimizer)
         check_optimizer(optimizer)
-        if self.weighting == "exact":
+        if self.weighting == "exact" and self.privacy is None:
             loss = record_normalizers(loss, self._accumulation.normalizers)
         super().compile(optimizer, loss, *args, steps_per_execution=steps_per_execution,
                         **kwargs)
@@ -168,6 +175,7 @@ class AccumulatingModel(keras.Model):
             # The saved model holds the converted layers already.
             "convert_batch_norm": False,
             "nonfinite": _serialized(self.nonfinite),
+            "privacy": _serialized_privacy(self.privacy),
             "name": self.name,
         }
 
@@ -239,6 +247,18 @@ def _warn_if_own_training(model) -> None:
         )
 
 
+def _serialized_privacy(privacy):
+    """A `Privacy` as the dict of its arguments (the seed included: None draws a new
+    one), or None."""
+    if privacy is None:
+        return None
+    return {name: getattr(privacy, name) for name in PRIVACY_FIELDS}
+
+
+def _deserialized_privacy(privacy):
+    return Privacy(**privacy) if isinstance(privacy, dict) else privacy
+
+
 def _serialized(option):
     """A name as it is, a callable as Keras serializes it."""
     return option if isinstance(option, str) else keras.saving.serialize_keras_object(option)
@@ -267,6 +287,7 @@ def wrap(
     convert_batch_norm: bool = False,
     nonfinite: str = "skip",
     weight_per_update: float | None = None,
+    privacy=None,
 ) -> AccumulatingModel:
     """Wraps a Keras model so that `fit()` trains it with gradient accumulation.
 
@@ -315,6 +336,9 @@ def wrap(
             `"skip"`ped (default: dropped with its weight, counted in the logs'
             `skipped`, a warning once), makes fit `"raise"` an error naming it, or
             is `"apply"`ed as Keras would.
+        privacy: a `gradaccum.Privacy`: differentially private training (DP-SGD),
+            each example's gradient clipped, the noise added once per window (see
+            there).
 
     Mixed precision: under the `mixed_float16` policy Keras wraps the optimizer in a
     `LossScaleOptimizer`; a micro-batch whose gradient is not finite is then skipped
@@ -357,4 +381,5 @@ def wrap(
         convert_batch_norm=convert_batch_norm,
         nonfinite=nonfinite,
         weight_per_update=weight_per_update,
+        privacy=privacy,
     )

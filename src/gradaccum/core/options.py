@@ -10,6 +10,8 @@ from gradaccum._validation import (
     check_window_options,
 )
 from gradaccum.core.combine import REDUCTIONS
+from gradaccum.core.privacy import check_options as check_private_options
+from gradaccum.core.privacy import check_privacy
 from gradaccum.core.window import PARTIALS, WindowSpec
 
 
@@ -29,7 +31,7 @@ class Options:
     def __init__(self, steps=None, weighting="exact", partial="flush", reduction="mean",
                  accumulator_dtype="float32", nonfinite="skip", *,
                  micro_batch_size=None, max_micro_batch_size=None,
-                 weight_per_update=None):
+                 weight_per_update=None, privacy=None):
         self.partial = check_choice("partial", partial, PARTIALS)
         self.micro_batch_size, self.max_micro_batch_size = check_window_options(
             steps, micro_batch_size, max_micro_batch_size, partial, weight_per_update
@@ -48,6 +50,10 @@ class Options:
                 f"change the update. Received: weighting={weighting!r}, "
                 f"reduction={reduction!r}"
             )
+        # Differentially private training (`gradaccum.Privacy`), or None.
+        self.privacy = check_privacy(privacy)
+        if self.privacy is not None:
+            check_private_options(self)
 
     @property
     def split(self) -> bool:

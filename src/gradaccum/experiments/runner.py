@@ -52,6 +52,8 @@ class RunResult:
     wall_time: float
     samples_per_second: float
     curve: list[tuple[int, float]] = field(default_factory=list)
+    # With DP-SGD: the epsilon the run spent (None without privacy).
+    epsilon: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -81,19 +83,22 @@ def run_once(
     evaluations: int = 10,
     jit_compile="auto",
     steps_per_execution: int = 100,
+    privacy: dict | None = None,
 ) -> RunResult:
     """Trains a fresh network with `gradaccum.wrap` (in the form `config` says) and
-    returns its test accuracy."""
+    returns its test accuracy. `privacy`: `gradaccum.Privacy`'s arguments (DP-SGD,
+    seeded by the run's seed)."""
     keras.utils.clear_session()
     keras.utils.set_random_seed(seed)
     net = build_model(model)
+    private = None if privacy is None else gradaccum.Privacy(seed=seed, **privacy)
     if config.split:
         # One batch of k*b per update, split inside the step.
-        trainer = gradaccum.wrap(net, micro_batch_size=config.batch_size)
+        trainer = gradaccum.wrap(net, micro_batch_size=config.batch_size, privacy=private)
         batches, batch_size = config.updates, config.steps * config.batch_size
     else:
         # "carry": windows run on across the evaluation points, never cut by them.
-        trainer = gradaccum.wrap(net, steps=config.steps, partial="carry")
+        trainer = gradaccum.wrap(net, steps=config.steps, partial="carry", privacy=private)
         batches, batch_size = config.iterations, config.batch_size
     chunks = _evaluation_chunks(batches, evaluations)
     per_chunk = batches // chunks
@@ -130,6 +135,7 @@ def run_once(
         wall_time=wall,
         samples_per_second=config.iterations * config.batch_size / wall,
         curve=list(zip(updates, accuracy)),
+        epsilon=None if private is None else gradaccum.privacy_spent(trainer),
     )
 
 

@@ -34,6 +34,12 @@ class Options(CoreOptions):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        if self.privacy is not None:
+            raise ValueError(
+                "`privacy` runs on Keras's TensorFlow backend. Received: a "
+                "gradaccum.Privacy on the 'jax' backend; set KERAS_BACKEND=tensorflow "
+                "before Keras is imported."
+            )
         if self.accumulator_dtype == "float64":
             import jax
 

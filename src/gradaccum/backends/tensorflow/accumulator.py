@@ -188,6 +188,10 @@ class GradientAccumulator(tf.Module):
         # The LossScaleOptimizer whose scale the accumulated gradients carried.
         self._loss_scaling = Untracked(None)
         self._targets = Untracked(tuple(variables))
+        # DP-SGD (`gradaccum.Privacy`, set by the fit integration): the window's sums
+        # are noised once when it is applied, from this seed and the update count.
+        self._privacy = Untracked(None)
+        self._noise_seed = 0
         strategy = dist.distribution_of(variables)
         dist.check_reduced_dtype(strategy, self._accumulator_dtype)
         batch_norms = batch_normalization_layers(layers)
@@ -448,6 +452,15 @@ class GradientAccumulator(tf.Module):
             combined = [g if r else None for g, r in zip(combined, received)]
         return combined
 
+    def _noised(self, sums) -> list:
+        """The window's sums as an update applies them: with DP-SGD's noise added
+        once (`privacy.noised`); as they are without privacy."""
+        if self._privacy.value is None:
+            return sums
+        from gradaccum.backends.tensorflow import privacy
+
+        return privacy.noised(self, sums)
+
     def _combine(self, sums, total_weight) -> list:
         return _combine.combine(
             sums, total_weight, self._reduction, [v.dtype for v in self.target_variables]
@@ -501,7 +514,10 @@ class GradientAccumulator(tf.Module):
             total_weight = state.total_weight.read_value()
             self._apply_combined(
                 optimizer,
-                self._combine([acc.read_value() for acc in state.accumulators], total_weight),
+                self._combine(
+                    self._noised([acc.read_value() for acc in state.accumulators]),
+                    total_weight,
+                ),
                 state.received.read_value(),
                 total_weight,
             )

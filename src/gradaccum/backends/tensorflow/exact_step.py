@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from gradaccum import batch_norm
 from gradaccum.backends.tensorflow import keras_compat as kc
+from gradaccum.backends.tensorflow import privacy
 from gradaccum.backends.tensorflow.weights import micro_batch_weight
 
 
@@ -22,7 +23,8 @@ def exact_step(accumulation, data):
     # A window of one micro-batch on one device: G = w g / w = g, applied without
     # the accumulators' copy.
     single = accumulation.options.window.constant == 1 and not (
-        tf.distribute.has_strategy()
+        accumulation.options.privacy is not None
+        or tf.distribute.has_strategy()
         or kc.is_loss_scale_optimizer(host.optimizer)
         or acc.batch_normalization_layers
     )
@@ -31,6 +33,7 @@ def exact_step(accumulation, data):
     state.epoch_step.assign_add(1)
     if not single:
         accumulation.close_if_due(acc, host.optimizer)
+        state.note_window()
     return host.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
@@ -40,6 +43,8 @@ def micro_batch(accumulation, x, y, sample_weight, single=False):
     takes it) and the micro-batch's weight."""
     host = accumulation.host
     acc = accumulation.state.accumulator
+    if accumulation.options.privacy is not None:
+        return _private_micro_batch(accumulation, x, y, sample_weight)
     variables = list(acc.target_variables)
     accumulation.normalizers.take()
     loss_scaled = kc.is_loss_scale_optimizer(host.optimizer)
@@ -76,3 +81,17 @@ def micro_batch(accumulation, x, y, sample_weight, single=False):
     else:
         acc.accumulate_weighted(gradients, weight)
     return y_pred, replica_loss, weight
+
+
+def _private_micro_batch(accumulation, x, y, sample_weight):
+    """`micro_batch` with `gradaccum.Privacy`: the sum of the examples' clipped
+    gradients, weighted by the number of examples (the window's noise is added when it
+    is applied). The loss logged is the micro-batch's, as Keras computes it."""
+    host = accumulation.host
+    y_pred, gradients, examples = privacy.clipped_micro_batch(
+        accumulation, x, y, sample_weight
+    )
+    weight = tf.cast(examples, accumulation.state.accumulator.total_weight.dtype)
+    accumulation.state.accumulator.accumulate_weighted(gradients, weight)
+    loss = kc.compute_loss(host, x, y, y_pred, sample_weight)
+    return y_pred, kc.unscale_loss_for_distribution(loss), weight

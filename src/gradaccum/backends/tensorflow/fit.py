@@ -40,6 +40,8 @@ from gradaccum.backends.tensorflow.split_step import split_step
 from gradaccum.backends.tensorflow.state import FitState, Untracked
 from gradaccum.core.auto_size import AutoSize
 from gradaccum.core.options import Options as CoreOptions
+from gradaccum.core.privacy import check_fit as check_private_fit
+from gradaccum.core.privacy import check_layers as check_private_layers
 from gradaccum.weighting import NormalizerLog
 
 PARTIALS = _window.PARTIALS
@@ -68,6 +70,9 @@ class Options(CoreOptions):
         # afterwards (`Accumulation.restore_pending`), with the accumulator's.
         for layer in accumulator.batch_normalization_layers:
             layer._reset_window()
+        if self.privacy is not None:
+            accumulator._privacy = Untracked(self.privacy)
+            accumulator._noise_seed = self.privacy.noise_seed()
         return accumulator
 
 
@@ -220,6 +225,7 @@ class Accumulation:
     def fit(self, fit, x, y, batch_size, epochs, verbose, callbacks, kwargs):
         """Runs `fit` (the host's own) with gradaccum's hook first among callbacks."""
         host = self.host
+        check_private_fit(self.options, x, batch_size)
         self._verbose = verbose
         hook = EpochHook(self)
         self._repeat_warned = False
@@ -266,6 +272,14 @@ class Accumulation:
                 "The model being trained must have trainable variables to accumulate "
                 f"gradients of. Received: model {layers.name!r} with none."
             )
+        if self.options.privacy is not None:
+            check_private_layers(layers)
+            if kc.is_loss_scale_optimizer(host.optimizer):
+                raise ValueError(
+                    "`privacy` needs an optimizer without loss scaling: each example's "
+                    "gradient is clipped before the sum. Received: a LossScaleOptimizer "
+                    "(the mixed_float16 policy); use mixed_bfloat16 or float32."
+                )
         terms = max(0, kc.count_compiled_losses(kc.compiled_loss(host)) - 1)
         with host.distribute_strategy.scope():
             distribution_of(host.trainable_variables)
@@ -276,7 +290,8 @@ class Accumulation:
             if self.own_train_step is None:
                 accumulator = self.options.accumulator(host.trainable_variables,
                                                        layers=layers)
-            self.state = FitState(accumulator, terms=terms)
+            self.state = FitState(accumulator, terms=terms,
+                                  private=self.options.privacy is not None)
             replicas = host.distribute_strategy.num_replicas_in_sync
             if accumulator is None and host.optimizer is not None and replicas > 1:
                 # A model's own step usually hands all its trainable variables to
@@ -373,6 +388,14 @@ class Accumulation:
             self._end_of_data_function = close if host.run_eagerly else tf.function(close)
         with host.distribute_strategy.scope():
             self._end_of_data_function()
+            self.state.note_window()
+
+    def privacy_record(self) -> tuple[int, float]:
+        """With privacy: the updates made and the most examples a window held."""
+        state = self.state
+        if state is None or state.accumulator is None:
+            return 0, 0.0
+        return int(state.accumulator.updates.numpy()), float(state.largest_window.numpy())
 
     # Warnings --------------------------------------------------------------------
 

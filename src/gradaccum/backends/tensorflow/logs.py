@@ -17,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from gradaccum.backends.tensorflow import keras_compat as kc
+from gradaccum.core.privacy import spent
 
 
 def updating_optimizer(accumulation):
@@ -106,6 +107,9 @@ def write(accumulation, logs) -> None:
     search = accumulation.auto_size
     if search is not None and search.chosen is not None:
         logs["micro_batch_size"] = float(search.chosen)
+    privacy = accumulation.options.privacy
+    if privacy is not None and privacy.logs_epsilon:
+        logs["epsilon"] = spent(accumulation)
 
 
 def with_counters(accumulation, logs):

@@ -94,7 +94,8 @@ def _update(accumulator, strategy, optimizer, window):
     def update():
         with kc.applying_across_replicas(inner, strategy):
             accumulator._apply_combined(
-                inner, accumulator._combine(sums, total_weight), received, total_weight,
+                inner, accumulator._combine(accumulator._noised(sums), total_weight),
+                received, total_weight,
                 pooled,
             )
         return tf.constant(True)

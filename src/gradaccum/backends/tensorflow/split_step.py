@@ -53,6 +53,7 @@ def split_step(accumulation, data):
     with tf.control_dependencies(after):
         for acc, optimizer in pairs:
             acc.apply(optimizer)
+        state.note_window()
     return logs
 
 

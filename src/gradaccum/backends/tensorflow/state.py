@@ -128,7 +128,7 @@ class FitState(tf.Module):
             are tracked).
     """
 
-    def __init__(self, accumulator=None, terms=0):
+    def __init__(self, accumulator=None, terms=0, private=False):
         super().__init__(name="gradaccum_fit_state")
         self.accumulator = accumulator
         # A model's own step: one accumulator per (optimizer, variables), in the
@@ -153,6 +153,11 @@ class FitState(tf.Module):
         # (a step that failed after that point cannot be retried).
         self.micro_batch_size = tf.Variable(1, name="micro_batch_size", **int64)
         self.applying = tf.Variable(False, name="applying", **COUNTED)
+        # With `gradaccum.Privacy`: the most examples a window applied held (the
+        # accountant's sampling rate).
+        self.largest_window = (
+            tf.Variable(0.0, name="largest_window", **COUNTED) if private else None
+        )
 
     def accumulators(self) -> list:
         """Every accumulator: the exact step's, then a model's own step's."""
@@ -171,4 +176,14 @@ class FitState(tf.Module):
         for j, (acc, _) in enumerate(self.own):
             named.update({f"own_{j}_{k}": v for k, v in acc.state_variables().items()})
         named.update(epoch_step=self.epoch_step, resume_skip=self.resume_skip)
+        if self.largest_window is not None:
+            named["largest_window"] = self.largest_window
         return named
+
+    def note_window(self) -> None:
+        """With privacy: the window the exact step's accumulator applied last
+        counts towards the largest (graph-safe; after the update)."""
+        if self.largest_window is None:
+            return
+        last = tf.cast(self.accumulator.last_window_weight, tf.float32)
+        self.largest_window.assign(tf.maximum(self.largest_window, last))

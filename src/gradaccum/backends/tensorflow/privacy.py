@@ -1,0 +1,204 @@
+"""DP-SGD on TensorFlow: each example's gradient, clipped, summed over a micro-batch
+(`clipped_micro_batch`), and the window's noise, added once when it is applied
+(`noised`). The options and the accounting are `gradaccum.core.privacy`'s.
+
+Per-example gradients come from one `tf.vectorized_map` over the micro-batch's
+examples: the model's forward pass, its compiled loss and the backward pass of one
+example each, vectorized (no Python loop over examples). A sparse gradient (an
+embedding's) stays sparse: its norm sums each row once, however often the example
+looks it up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import tensorflow as tf
+
+from gradaccum.backends.tensorflow import keras_compat as kc
+from gradaccum.backends.tensorflow.vectorized import per_example
+
+
+def clipped_micro_batch(accumulation, x, y, sample_weight):
+    """One micro-batch's examples through the model, each example's gradient clipped.
+
+    Returns:
+        `(y_pred, gradients, examples)`: the micro-batch's predictions, the sum of its
+        clipped per-example gradients (plus `examples` times the gradient of the
+        weight regularizers) per trainable variable (a tensor, a `tf.IndexedSlices`,
+        or None for a variable no example reaches), and its number of examples.
+    """
+    host = accumulation.host
+    privacy = accumulation.options.privacy
+    variables = list(accumulation.state.accumulator.target_variables)
+    compile_loss = kc.compiled_loss(host)
+    if compile_loss is None:
+        raise ValueError(
+            "`privacy` needs the model's compiled loss: each example's gradient is that "
+            f"of its loss. Received: model {host.name!r} compiled without a loss."
+        )
+    elements = {"x": x}
+    if y is not None:
+        elements["y"] = y
+    if sample_weight is not None:
+        elements["sample_weight"] = sample_weight
+    # Known when the function is traced: which variables get a gradient, and which
+    # gradients are sparse.
+    kinds = []
+
+    def one_example(element):
+        single = tf.nest.map_structure(lambda t: t[None], element)
+        with tf.GradientTape() as tape, _without_loss_metrics(compile_loss):
+            if kc.call_has_training_arg(host):
+                y_pred = host(single["x"], training=True)
+            else:
+                y_pred = host(single["x"])
+            loss = compile_loss(single.get("y"), y_pred, single.get("sample_weight"))
+            # Keras divides a loss by the replicas (it sums their gradients).
+            loss = kc.unscale_loss_for_distribution(loss)
+        gradients = tape.gradient(loss, variables)
+        kinds.clear()
+        parts = []
+        for gradient in gradients:
+            if gradient is None:
+                kinds.append(None)
+            elif isinstance(gradient, tf.IndexedSlices):
+                kinds.append("sparse")
+                parts.append((gradient.values, gradient.indices))
+            else:
+                kinds.append("dense")
+                parts.append(gradient)
+        return tf.nest.map_structure(lambda t: t[0], y_pred), parts
+
+    y_pred, parts = per_example(one_example, elements)
+    _check_no_added_losses(host)
+    examples = tf.shape(tf.nest.flatten(x)[0])[0]
+    squares = tf.zeros([examples], tf.float32)
+    for kind, part in zip([k for k in kinds if k is not None], parts):
+        squares += _squared_norms(kind, part, examples)
+    clip = tf.constant(privacy.l2_norm_clip, tf.float32)
+    # C / max(norm, C): 1 for an example within the bound.
+    factors = clip / tf.maximum(tf.sqrt(squares), clip)
+    clipped, position = [], 0
+    for kind, variable in zip(kinds, variables):
+        if kind is None:
+            clipped.append(None)
+            continue
+        clipped.append(_clipped_sum(kind, parts[position], factors, variable))
+        position += 1
+    clipped = _with_regularization(host, variables, clipped, examples)
+    return y_pred, clipped, examples
+
+
+def _squared_norms(kind, part, examples):
+    """Each example's squared L2 norm of one variable's gradient (float32 [B])."""
+    if kind == "dense":
+        flat = tf.reshape(tf.cast(part, tf.float32), [examples, -1])
+        return tf.reduce_sum(tf.square(flat), axis=1)
+    values, indices = part
+    # Row r of example b gets key b * rows + r: each distinct row of an example is
+    # summed first (an embedding looked up twice has the sum as its gradient row).
+    values = tf.cast(values, tf.float32)
+    rows_per_example = tf.shape(indices)[1]
+    width = tf.reduce_prod(tf.shape(values)[2:])
+    values = tf.reshape(values, [-1, width])
+    indices = tf.cast(indices, tf.int64)
+    owner = tf.repeat(tf.range(examples, dtype=tf.int64), rows_per_example)
+    span = tf.reduce_max(indices) + 1
+    keys, slots = tf.unique(owner * span + tf.reshape(indices, [-1]))
+    summed = tf.math.unsorted_segment_sum(values, slots, tf.shape(keys)[0])
+    return tf.math.unsorted_segment_sum(
+        tf.reduce_sum(tf.square(summed), axis=1), keys // span, examples
+    )
+
+
+def _clipped_sum(kind, part, factors, variable):
+    """The sum over examples of one variable's gradient times each example's factor."""
+    if kind == "dense":
+        return tf.tensordot(tf.cast(factors, part.dtype), part, axes=1)
+    values, indices = part
+    scaled = values * tf.reshape(
+        tf.cast(factors, values.dtype), [-1] + [1] * (len(values.shape) - 1)
+    )
+    row_shape = tf.shape(values)[2:]
+    return tf.IndexedSlices(
+        tf.reshape(scaled, tf.concat([[-1], row_shape], axis=0)),
+        tf.reshape(indices, [-1]),
+        tf.shape(variable, out_type=indices.dtype),
+    )
+
+
+def _with_regularization(host, variables, clipped, examples):
+    """Adds `examples` times the gradient of the weight regularizers: they depend on
+    the weights only, so they are neither clipped nor noised, and the window's mean
+    carries their gradient once."""
+    losses = host.losses
+    if not losses:
+        return clipped
+    with tf.GradientTape() as tape:
+        total = tf.add_n([tf.cast(loss, tf.float32) for loss in host.losses])
+        total = total * tf.cast(examples, tf.float32)
+    gradients = tape.gradient(total, variables)
+    combined = []
+    for part, extra in zip(clipped, gradients):
+        if extra is None:
+            combined.append(part)
+        elif part is None:
+            combined.append(tf.convert_to_tensor(extra))
+        else:
+            combined.append(tf.convert_to_tensor(part) + tf.cast(extra, part.dtype))
+    return combined
+
+
+def _check_no_added_losses(host) -> None:
+    """A layer that called `add_loss` in its call computed the loss over examples
+    (inside the vectorized pass it is not one of the model's losses): refused."""
+    for layer in kc.flatten_layers(host):
+        if getattr(layer, "_losses", None):
+            raise ValueError(
+                "`privacy` needs losses that can be split per example: layer "
+                f"{layer.name!r} of model {host.name!r} adds a loss in its call "
+                "(`add_loss`), computed over the micro-batch. Received: a model whose "
+                "layers add losses."
+            )
+
+
+@contextlib.contextmanager
+def _without_loss_metrics(compile_loss):
+    """The compiled loss of several outputs updates one metric per output as it
+    computes them; per example those updates would count each example as a batch
+    (the batch's loss, computed for the logs, updates them once)."""
+    metrics = getattr(compile_loss, "_metrics", None)
+    if not metrics:
+        yield
+        return
+    saved = list(metrics)
+    # Keras pairs the losses with this list (None: no metric to update).
+    metrics[:] = [None] * len(saved)
+    try:
+        yield
+    finally:
+        metrics[:] = saved
+
+
+def noised(accumulator, sums):
+    """The window's sums with the privacy noise added once: `N(0, (sigma C)^2)` per
+    element, drawn from the accumulator's noise seed and its update count (the same
+    on every replica, so a window closed across replicas is noised once)."""
+    privacy = accumulator._privacy.value
+    if privacy is None or privacy.noise_stddev == 0:
+        return sums
+    seed = tf.stack([
+        tf.constant(accumulator._noise_seed, tf.int64),
+        tf.cast(accumulator.state.updates, tf.int64),
+    ])
+    noisy = []
+    for index, total in enumerate(sums):
+        noise = tf.random.stateless_normal(
+            tf.shape(total),
+            seed=tf.random.experimental.stateless_fold_in(seed, index),
+            stddev=privacy.noise_stddev,
+            dtype=tf.float32,
+        )
+        noisy.append(total + tf.cast(noise, total.dtype))
+    return noisy
