@@ -156,19 +156,19 @@ def test_split_mode_and_wrap_make_the_same_private_updates():
 # With noise: once per window ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("steps", [1, 4])
-def test_the_noise_of_an_update_has_standard_deviation_sigma_c_over_b(steps):
+@pytest.mark.parametrize("steps, jit_compile", [(1, False), (4, False), (4, True)])
+def test_the_noise_of_an_update_has_standard_deviation_sigma_c_over_b(steps, jit_compile):
     """One window of B = 32 examples as k micro-batches, SGD with rate 1: the update
     minus the noiseless one is the noise / B. Its standard deviation over the 1,803
     weights is sigma C / B for k = 1 and k = 4 alike (noise per micro-batch would give
-    sqrt(k) sigma C / B)."""
+    sqrt(k) sigma C / B), compiled by XLA too."""
     x, y = mlp_data(32)
     sigma, clip, examples = 2.0, 0.5, 32
 
     def one_update(noise_multiplier):
         model = gradaccum.accumulate(mlp(), steps=steps, privacy=gradaccum.Privacy(
             l2_norm_clip=clip, noise_multiplier=noise_multiplier, seed=5))
-        model.compile(optimizer=keras.optimizers.SGD(1.0), loss=SCE)
+        model.compile(optimizer=keras.optimizers.SGD(1.0), loss=SCE, jit_compile=jit_compile)
         model.fit(x, y, batch_size=examples // steps, epochs=1, shuffle=False, verbose=0)
         assert int(model.optimizer.iterations) == 1
         return np.concatenate([w.ravel() for w in model.get_weights()])
@@ -343,3 +343,19 @@ def test_privacy_options_are_checked():
         "Privacy(l2_norm_clip=1.0, noise_multiplier=0.5, seed=3, dataset_size=None, "
         "delta=None, accountant='rdp')"
     )
+
+
+def test_xla_compiles_the_private_step_sparse_rows_included():
+    """jit_compile=True (Keras's default on a GPU): the same clipped updates as without
+    (XLA draws other numbers from the same noise seed: the noise is checked above)."""
+    x, y, sample_weight = tagger_data(16)
+
+    def trained(jit_compile):
+        model = gradaccum.accumulate(tagger(), steps=2, privacy=gradaccum.Privacy(
+            l2_norm_clip=0.3, noise_multiplier=0.0))
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss=TAGGER_LOSS,
+                      jit_compile=jit_compile)
+        model.fit(x, y, sample_weight=sample_weight, batch_size=4, shuffle=False, verbose=0)
+        return model
+
+    assert_weights_close(trained(True), trained(False), atol=1e-5)

@@ -96,20 +96,15 @@ def _squared_norms(kind, part, examples):
         flat = tf.reshape(tf.cast(part, tf.float32), [examples, -1])
         return tf.reduce_sum(tf.square(flat), axis=1)
     values, indices = part
-    # Row r of example b gets key b * rows + r: each distinct row of an example is
-    # summed first (an embedding looked up twice has the sum as its gradient row).
-    values = tf.cast(values, tf.float32)
-    rows_per_example = tf.shape(indices)[1]
-    width = tf.reduce_prod(tf.shape(values)[2:])
-    values = tf.reshape(values, [-1, width])
-    indices = tf.cast(indices, tf.int64)
-    owner = tf.repeat(tf.range(examples, dtype=tf.int64), rows_per_example)
-    span = tf.reduce_max(indices) + 1
-    keys, slots = tf.unique(owner * span + tf.reshape(indices, [-1]))
-    summed = tf.math.unsorted_segment_sum(values, slots, tf.shape(keys)[0])
-    return tf.math.unsorted_segment_sum(
-        tf.reduce_sum(tf.square(summed), axis=1), keys // span, examples
-    )
+    # An example's sparse gradient has one piece per lookup; a row looked up twice
+    # has the sum of its pieces as its gradient. The norm of the summed rows is the
+    # sum of v_i . v_j over the pairs of pieces with the same row (static shapes, so
+    # XLA compiles it).
+    rows = tf.shape(indices)[1]
+    values = tf.reshape(tf.cast(values, tf.float32), [examples, rows, -1])
+    products = tf.linalg.matmul(values, values, transpose_b=True)
+    same_row = tf.cast(indices[:, :, None] == indices[:, None, :], tf.float32)
+    return tf.reduce_sum(products * same_row, axis=[1, 2])
 
 
 def _clipped_sum(kind, part, factors, variable):
@@ -196,9 +191,12 @@ def noised(accumulator, sums):
     for index, total in enumerate(sums):
         noise = tf.random.stateless_normal(
             tf.shape(total),
-            seed=tf.random.experimental.stateless_fold_in(seed, index),
+            seed=tf.random.experimental.stateless_fold_in(seed, index, alg="philox"),
             stddev=privacy.noise_stddev,
             dtype=tf.float32,
+            # Named: "auto_select" may pick another generator under XLA or on
+            # another device, and the noise must follow the seed everywhere.
+            alg="philox",
         )
         noisy.append(total + tf.cast(noise, total.dtype))
     return noisy
