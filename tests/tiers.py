@@ -132,6 +132,11 @@ SLOW = [
     "test_privacy.py::test_a_gpt2_task_with_lora_trains_privately_on_strings",
     "test_privacy.py::test_two_replicas_add_the_noise_once_to_the_global_window",
     "test_privacy.py::test_split_mode_and_wrap_make_the_same_private_updates",
+    "test_privacy.py::test_the_noise_of_an_update_has_standard_deviation_sigma_c_over_b[1-False]",
+    "test_privacy.py::test_the_noise_of_an_update_has_standard_deviation_sigma_c_over_b[4-True]",
+    "test_privacy.py::test_the_noise_follows_the_seed",
+    "test_privacy.py::test_without_noise_epsilon_is_infinite",
+    "test_privacy.py::test_xla_compiles_the_private_step_sparse_rows_included",
     # KerasHub tasks on JAX (about a minute each on 2 cores).
     "jax_backend/test_jax_hub.py",
     # gradaccum.audit's other causes and restorations (the fast tier keeps FEATURES'
