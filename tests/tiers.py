@@ -121,6 +121,9 @@ FEATURES = {
         "test_a_gan_s_two_optimizers_each_update_once_per_window[arrays]",
     "privacy: per-example clipping, noise once per window, the accountant":
         "test_privacy.py::test_without_noise_the_update_is_the_mean_of_per_example_clipped_gradients",
+    "JAX: privacy, per-example clipping":
+        "jax_backend/test_jax_privacy.py::"
+        "test_without_noise_the_update_is_the_mean_of_per_example_clipped_gradients",
     "JAX: keras.distribution DataParallel and ModelParallel (2 devices, a child process)":
         "jax_backend/test_jax_distribution.py::"
         "test_data_and_model_parallel_on_two_devices_equal_one_device",
@@ -137,6 +140,9 @@ SLOW = [
     "test_privacy.py::test_the_noise_follows_the_seed",
     "test_privacy.py::test_without_noise_epsilon_is_infinite",
     "test_privacy.py::test_xla_compiles_the_private_step_sparse_rows_included",
+    "jax_backend/test_jax_privacy.py::test_the_noise_of_an_update_has_standard_deviation_sigma_c_over_b",
+    "jax_backend/test_jax_privacy.py::"
+    "test_split_mode_equals_steps_and_the_accountant_is_dp_accountings",
     # KerasHub tasks on JAX (about a minute each on 2 cores).
     "jax_backend/test_jax_hub.py",
     # gradaccum.audit's other causes and restorations (the fast tier keeps FEATURES'

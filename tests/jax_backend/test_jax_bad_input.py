@@ -95,15 +95,3 @@ def test_float64_accumulators_need_jax_x64():
     )):
         gradaccum.accumulate(mlp(), steps=2, accumulator_dtype="float64")
 
-
-def test_privacy_says_it_runs_on_tensorflow():
-    """DP-SGD's per-example pass is TensorFlow's for now: refused on JAX, before any
-    training that would not be private."""
-    privacy = gradaccum.Privacy(l2_norm_clip=1.0, noise_multiplier=1.1)
-    with pytest.raises(ValueError, match=re.escape(
-        "`privacy` runs on Keras's TensorFlow backend. Received: a gradaccum.Privacy on "
-        "the 'jax' backend; set KERAS_BACKEND=tensorflow before Keras is imported."
-    )):
-        gradaccum.accumulate(mlp(), steps=2, privacy=privacy)
-    # The accounting itself needs no backend.
-    assert gradaccum.privacy_spent.__module__ == "gradaccum.core.privacy"

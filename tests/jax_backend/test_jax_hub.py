@@ -91,3 +91,45 @@ def test_gpt2_lora_split_into_micro_batches_equals_the_task_on_the_whole_batch()
     assert max(float(np.abs(a - b).max()) for a, b in zip(initial, task.get_weights())) > 1e-4
     assert_weights_close(task, reference, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(history.history["loss"], expected.history["loss"], rtol=1e-5)
+
+
+def test_gpt2_lora_trains_privately_on_strings():
+    """gradaccum.Privacy on a KerasHub GPT-2 with LoRA, strings in: each text's
+    gradient (its masked token loss) clipped; equal to the reference clipping text by
+    text on the preprocessed batch."""
+    import jax
+
+    texts = hub_models.make_texts()
+    clip = 0.05
+    task = hub_models.make_task(seed=0, optimizer=keras.optimizers.SGD(0.5))
+    task.backbone.enable_lora(rank=4)
+    reference = hub_models.make_task(seed=0, optimizer=keras.optimizers.SGD(0.5))
+    reference.backbone.enable_lora(rank=4)
+    reference.set_weights(task.get_weights())
+    gradaccum.accumulate(task, steps=3, privacy=gradaccum.Privacy(clip, 0.0))
+    history = task.fit(texts, batch_size=4, shuffle=False, verbose=0)
+    assert history.history["updates"] == [2.0]
+
+    x, y, sample_weight = reference.preprocessor(texts)
+    x = {k: np.asarray(v) for k, v in x.items()}
+    y, sample_weight = np.asarray(y), np.asarray(sample_weight)
+    non_trainable = [v.value for v in reference.non_trainable_variables]
+    clipped = 0
+    for start in (0, 12):
+        trainable = [v.value for v in reference.trainable_variables]
+
+        def example_loss(weights, i):
+            example = {k: v[i:i + 1] for k, v in x.items()}
+            y_pred, _ = reference.stateless_call(weights, non_trainable, example,
+                                                 training=True)
+            return reference._compile_loss(y[i:i + 1], y_pred, sample_weight[i:i + 1])
+
+        total = [np.zeros(v.shape, "float32") for v in trainable]
+        for i in range(start, start + 12):
+            grads = jax.grad(example_loss)(trainable, i)
+            norm = float(np.sqrt(sum(float(np.sum(np.square(g))) for g in grads)))
+            clipped += norm > clip
+            total = [t + np.asarray(g) * (clip / max(norm, clip)) for t, g in zip(total, grads)]
+        reference.optimizer.apply([t / 12 for t in total], reference.trainable_variables)
+    assert clipped >= 12  # clipping acted
+    assert_weights_close(task, reference, atol=1e-6)

@@ -61,7 +61,8 @@ class Privacy:
             trainable variables), a number > 0.
         noise_multiplier: sigma, the noise's standard deviation in units of C, a
             number >= 0 (0: clipping without noise, which protects nothing).
-        seed: an integer seeds the noise (reproducible runs, tests); `None` (default)
+        seed: an integer in [0, 2**63) seeds the noise (reproducible runs, tests);
+            `None` (default)
             draws a seed from the operating system's entropy for each model, which is
             what private training needs: noise that can be predicted protects nothing.
         dataset_size: the number of training examples; with `delta`, `fit` logs
@@ -75,7 +76,7 @@ class Privacy:
     Raises:
         ValueError: `l2_norm_clip <= 0`, `noise_multiplier < 0`, `delta` outside
             (0, 1), a `dataset_size` that is not an integer >= 1, a `seed` that is not
-            an integer, an unknown `accountant`.
+            an integer in [0, 2**63), an unknown `accountant`.
 
     Example:
 
@@ -108,9 +109,9 @@ class Privacy:
                 f"Received: noise_multiplier={noise_multiplier!r}"
             )
         if seed is not None and (not isinstance(seed, numbers.Integral)
-                                 or isinstance(seed, bool)):
+                                 or isinstance(seed, bool) or not 0 <= seed < 2**63):
             raise ValueError(
-                f"`seed` must be an integer or None. Received: seed={seed!r}"
+                f"`seed` must be an integer in [0, 2**63) or None. Received: seed={seed!r}"
             )
         self.l2_norm_clip = float(l2_norm_clip)
         self.noise_multiplier = float(noise_multiplier)

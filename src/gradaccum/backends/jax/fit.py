@@ -22,6 +22,9 @@ from gradaccum.backends.jax.state import AccumulationState, layouts_of
 from gradaccum.backends.jax.step import ERROR_KEY, TrainStep
 from gradaccum.core.auto_size import AutoSize
 from gradaccum.core.options import Options as CoreOptions
+from gradaccum.core.privacy import check_fit as check_private_fit
+from gradaccum.core.privacy import check_layers as check_private_layers
+from gradaccum.core.privacy import spent
 from gradaccum.core.screening import raise_message, warn_skipped
 from gradaccum.core.window import SCHEDULE_RULE
 from gradaccum.weighting import NEGATIVE_WEIGHT, NormalizerLog
@@ -34,12 +37,6 @@ class Options(CoreOptions):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if self.privacy is not None:
-            raise ValueError(
-                "`privacy` runs on Keras's TensorFlow backend. Received: a "
-                "gradaccum.Privacy on the 'jax' backend; set KERAS_BACKEND=tensorflow "
-                "before Keras is imported."
-            )
         if self.accumulator_dtype == "float64":
             import jax
 
@@ -160,6 +157,15 @@ class Accumulation:
                 f"gradients of. Received: model {host.name!r} with none."
             )
         optimizer = host.optimizer
+        private = self.options.privacy is not None
+        if private:
+            check_private_layers(host)
+            if kc.is_loss_scale_optimizer(optimizer):
+                raise ValueError(
+                    "`privacy` needs an optimizer without loss scaling: each example's "
+                    "gradient is clipped before the sum. Received: a LossScaleOptimizer "
+                    "(the mixed_float16 policy); use mixed_bfloat16 or float32."
+                )
         if not optimizer.built:
             optimizer.build(host.trainable_variables)
         terms = max(0, kc.count_compiled_losses(kc.compiled_loss(host)) - 1)
@@ -167,6 +173,7 @@ class Accumulation:
         self.state = AccumulationState(
             self._variables, self.options.accumulator_dtype, terms=terms,
             layouts=layouts_of(self._variables), split=self.options.split,
+            private=private,
         )
         kc.model_metrics(host).append(self.state)
         self._restore_pending()
@@ -259,6 +266,7 @@ class Accumulation:
         return self.step(state, data)
 
     def fit(self, fit, x, y, batch_size, epochs, verbose, callbacks, kwargs):
+        check_private_fit(self.options, x, batch_size)
         self._verbose = verbose
         hook = (_RaisingHook if self._raises() else EpochHook)(self)
         callbacks = _fit_common.begin_fit(self, hook, epochs, callbacks, kwargs)
@@ -327,6 +335,15 @@ class Accumulation:
         loss_scaled = kc.is_loss_scale_optimizer(self.host.optimizer)
         if self.options.nonfinite != "apply" or loss_scaled:
             logs["skipped"] = float(state.skipped.numpy())
+        privacy = self.options.privacy
+        if privacy is not None and privacy.logs_epsilon:
+            logs["epsilon"] = spent(self)
+
+    def privacy_record(self) -> tuple[int, float]:
+        """With privacy: the updates made and the most examples a window held."""
+        if self.state is None:
+            return 0, 0.0
+        return int(self.state.updates.numpy()), float(self.state.largest_window.numpy())
 
     # The audit ----------------------------------------------------------------------
 

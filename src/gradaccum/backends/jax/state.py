@@ -63,8 +63,11 @@ class AccumulationState(keras.metrics.Metric):
     ERRORS = {"nonfinite": 1, "negative_weight": 2, "schedule": 3}
 
     def __init__(self, variables, accumulator_dtype="float32", terms=0, layouts=None,
-                 split=False):
+                 split=False, private=False):
         super().__init__(name="gradaccum_state")
+        # With gradaccum.Privacy, `largest_window`: the most examples a window
+        # applied held (the accountant's sampling rate).
+        self.fields = self.FIELDS + (("largest_window",) if private else ())
         # Under a keras.distribution each accumulator is laid out as its variable
         # (sharded like it, never whole on one device) and every field replicated.
         layouts = layouts or [None] * len(variables)
@@ -76,9 +79,9 @@ class AccumulationState(keras.metrics.Metric):
             for i, (v, layout) in enumerate(zip(variables, layouts))
         ]
         weight_dtype = "float64" if accumulator_dtype == "float64" else "float32"
-        for field in self.FIELDS:
+        for field in self.fields:
             shape, dtype = (), "int32"
-            if field in ("total_weight", "last_window_weight"):
+            if field in ("total_weight", "last_window_weight", "largest_window"):
                 dtype = weight_dtype
             elif field == "term_ratios":
                 shape, dtype = (terms,), "float32"
@@ -108,7 +111,7 @@ class AccumulationState(keras.metrics.Metric):
     def named(self) -> dict:
         """Every variable under its stable name (`accumulator_<i>` and the fields)."""
         named = {f"accumulator_{i}": v for i, v in enumerate(self.accumulators)}
-        named.update({field: getattr(self, field) for field in self.FIELDS})
+        named.update({field: getattr(self, field) for field in self.fields})
         return named
 
     def update_state(self, *args, **kwargs):

@@ -33,6 +33,7 @@ import keras
 from gradaccum import _fit_common
 from gradaccum import _keras_common as kc
 from gradaccum._validation import check_batch_dimensions
+from gradaccum.backends.jax import privacy
 from gradaccum.backends.jax.own_step import Applier, Handover, escaped, shares
 from gradaccum.backends.jax.state import AccumulationState
 from gradaccum.core.combine import combine
@@ -101,7 +102,11 @@ class TrainStep:
         # gradient is the window's, applied without passing through the accumulators
         # (as TensorFlow's step does): no pass to add it, none to read and reset it.
         self.direct = (own_step is None and not options.split and not self.loss_scaled
-                       and options.window.constant == 1)
+                       and options.window.constant == 1 and options.privacy is None)
+        # DP-SGD: the root key of the window's noise (`privacy.noised`).
+        self.noise_key = None
+        if options.privacy is not None:
+            self.noise_key = privacy.noise_key(options.privacy.noise_seed())
         # Whether the fit can restore inside an epoch (BackupAndRestore): only then
         # does the step carry the branch that skips micro-batches trained on.
         self.resumable = False
@@ -389,6 +394,9 @@ class TrainStep:
         options = self.options
         mean = options.reduction == "mean"
         ours = dict(ours)
+        if options.privacy is not None:
+            return self.private_accumulate(trainable, non_trainable, optimizer_variables,
+                                           metrics_variables, ours, x, y, sample_weight)
 
         def objective(trainable, non_trainable, metrics_variables):
             self.normalizers.take()
@@ -419,6 +427,28 @@ class TrainStep:
                                                  before, ours)
         return (ours, optimizer_variables, new_non_trainable, new_metrics, unscaled_loss,
                 y_pred, weight, error, gradients)
+
+    def private_accumulate(self, trainable, non_trainable, optimizer_variables,
+                           metrics_variables, ours, x, y, sample_weight):
+        """`accumulate` with `gradaccum.Privacy`: the sum of the examples' clipped
+        gradients, weighted by the number of examples (the window's noise is added
+        when it is applied). The loss is the micro-batch's, as Keras computes it."""
+        model = self.model
+        gradients, weight, y_pred, new_non_trainable = privacy.clipped_micro_batch(
+            model, self.options.privacy, trainable, non_trainable, x, y, sample_weight
+        )
+        loss, (_, _, new_metrics) = model.stateless_compute_loss(
+            trainable, new_non_trainable, metrics_variables, x=x, y=y, y_pred=y_pred,
+            sample_weight=sample_weight, training=True,
+        )
+        before = ours
+        ours, optimizer_variables, weight, error = self.add(
+            ours, gradients, weight, None, optimizer_variables
+        )
+        new_non_trainable = kept_unless_accepted(new_non_trainable, non_trainable,
+                                                 before, ours)
+        return (ours, optimizer_variables, new_non_trainable, new_metrics, loss, y_pred,
+                weight, error, gradients)
 
     def add(self, ours, gradients, weight, normalizers, optimizer_variables):
         """One micro-batch's gradients (weighted already, except under loss scaling)
@@ -615,6 +645,9 @@ class TrainStep:
             if direct is not None:
                 gradients = [g.astype(dtype) for g, dtype in zip(sums, self.variable_dtypes)]
             else:
+                if options.privacy is not None:
+                    sums = privacy.noised(sums, options.privacy, self.noise_key,
+                                          window["updates"])
                 gradients = combine(sums, total_weight, options.reduction,
                                     self.variable_dtypes)
             trainable, optimizer_variables = list(trainable), list(optimizer_variables)
@@ -658,6 +691,11 @@ class TrainStep:
         window["last_window_weight"] = jnp.where(
             apply, window["total_weight"], window["last_window_weight"]
         )
+        if "largest_window" in window:
+            window["largest_window"] = jnp.where(
+                apply, jnp.maximum(window["largest_window"], window["total_weight"]),
+                window["largest_window"],
+            )
         for i, total in enumerate(sums if direct is None else []):
             window[f"accumulator_{i}"] = jnp.where(close, jnp.zeros_like(total), total)
         for field in ("total_weight", "micro_step", "window_skipped"):

@@ -1,0 +1,135 @@
+"""DP-SGD on JAX: each example's gradient, clipped, summed over a micro-batch
+(`clipped_micro_batch`), and the window's noise, added once when it is applied
+(`noised`). The options and the accounting are `gradaccum.core.privacy`'s.
+
+Per-example gradients come from `jax.vmap` of `jax.grad` over the micro-batch's
+examples: the model's stateless forward pass and compiled loss of one example each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import keras
+
+from gradaccum import _keras_common as kc
+
+
+def clipped_micro_batch(model, privacy, trainable, non_trainable, x, y, sample_weight):
+    """One micro-batch's examples through `model`, each example's gradient clipped to
+    `privacy.l2_norm_clip`.
+
+    Returns:
+        `(gradients, examples, y_pred, non_trainable)`: the sum of the clipped
+        per-example gradients plus `examples` times the weight regularizers'
+        gradient (one array per trainable variable), the number of examples (float32),
+        the micro-batch's predictions and the non-trainable variables after its
+        forward pass.
+    """
+    compile_loss = kc.compiled_loss(model)
+    if compile_loss is None:
+        raise ValueError(
+            "`privacy` needs the model's compiled loss: each example's gradient is that "
+            f"of its loss. Received: model {model.name!r} compiled without a loss."
+        )
+    elements = {"x": x}
+    if y is not None:
+        elements["y"] = y
+    if sample_weight is not None:
+        elements["sample_weight"] = sample_weight
+    kwargs = {"training": True} if kc.call_has_training_arg(model) else {}
+    regularized = sum(getattr(v, "regularizer", None) is not None
+                      for v in model.trainable_variables)
+
+    def example_loss(trainable, element):
+        single = jax.tree_util.tree_map(lambda t: t[None], element)
+        y_pred, new_non_trainable, losses = model.stateless_call(
+            trainable, non_trainable, single["x"], return_losses=True, **kwargs
+        )
+        # The weight regularizers' terms come first among them (one per regularized
+        # variable); any other is an `add_loss` of a layer's call.
+        if len(losses) > regularized:
+            raise ValueError(
+                "`privacy` needs losses that can be split per example: a layer of model "
+                f"{model.name!r} adds a loss in its call (`add_loss`), computed over "
+                "the micro-batch. Received: a model whose layers add losses."
+            )
+        with _without_loss_metrics(compile_loss):
+            loss = compile_loss(single.get("y"), y_pred, single.get("sample_weight"))
+        return loss, (jax.tree_util.tree_map(lambda t: t[0], y_pred), new_non_trainable)
+
+    gradients, (y_pred, new_non_trainable) = jax.vmap(
+        jax.grad(example_loss, has_aux=True), in_axes=(None, 0)
+    )(trainable, elements)
+    examples = keras.tree.flatten(x)[0].shape[0]
+    squares = sum(
+        jnp.sum(jnp.square(g.astype("float32")).reshape(examples, -1), axis=1)
+        for g in gradients
+    )
+    clip = jnp.asarray(privacy.l2_norm_clip, "float32")
+    factors = clip / jnp.maximum(jnp.sqrt(squares), clip)
+    clipped = [jnp.tensordot(factors.astype(g.dtype), g, axes=1) for g in gradients]
+    penalty = _regularization_gradients(model, trainable, non_trainable)
+    if penalty is not None:
+        clipped = [c + (examples * p).astype(c.dtype) for c, p in zip(clipped, penalty)]
+    # The forward pass's variable updates (a seed generator's) are the same for
+    # every example: the first one's.
+    new_non_trainable = [v[0] for v in new_non_trainable]
+    return clipped, jnp.asarray(examples, "float32"), y_pred, new_non_trainable
+
+
+def _regularization_gradients(model, trainable, non_trainable):
+    """The gradient of the weight regularizers at `trainable` (None without any):
+    they depend on the weights only, so they are neither clipped nor noised."""
+    if not any(getattr(v, "regularizer", None) is not None
+               for v in model.trainable_variables):
+        return None
+
+    def penalty(trainable):
+        mapping = list(zip(model.trainable_variables, trainable)) + list(
+            zip(model.non_trainable_variables, non_trainable)
+        )
+        with keras.StatelessScope(state_mapping=mapping):
+            losses = model.losses
+        return sum(jnp.asarray(loss, "float32") for loss in losses)
+
+    return jax.grad(penalty)(trainable)
+
+
+@contextlib.contextmanager
+def _without_loss_metrics(compile_loss):
+    """A compiled loss of several outputs updates one metric per output; per example
+    those updates are not the batch's (the batch's loss, for the logs, updates them)."""
+    metrics = getattr(compile_loss, "_metrics", None)
+    if not metrics:
+        yield
+        return
+    saved = list(metrics)
+    metrics[:] = [None] * len(saved)
+    try:
+        yield
+    finally:
+        metrics[:] = saved
+
+
+def noise_key(seed: int):
+    """The root key of a model's noise, from a seed in [0, 2**63): its 31-bit parts
+    (JAX's default integers are 32-bit)."""
+    key = jax.random.key(seed & 0x7FFFFFFF)
+    key = jax.random.fold_in(key, (seed >> 31) & 0x7FFFFFFF)
+    return jax.random.fold_in(key, seed >> 62)
+
+
+def noised(sums, privacy, key, update_index):
+    """The window's sums with the privacy noise added once: `N(0, (sigma C)^2)` per
+    element, from the model's key and the update's index."""
+    if privacy.noise_stddev == 0:
+        return sums
+    key = jax.random.fold_in(key, update_index)
+    noisy = []
+    for index, total in enumerate(sums):
+        noise = jax.random.normal(jax.random.fold_in(key, index), total.shape, "float32")
+        noisy.append(total + (privacy.noise_stddev * noise).astype(total.dtype))
+    return noisy
