@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from gradaccum import cli
+from gradaccum.core import privacy as core_privacy
 from gradaccum.experiments import data as data_module
 
 SHARED_MNIST = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist"
@@ -107,6 +108,9 @@ def test_help_states_the_std_and_runs_as_a_module():
          "'sgd', 'rmsprop')"),
         (["sweep", "--configs", "5x0"], "argument --configs: must be an integer >= 1, got '0'"),
         (["sweep", "--updates", "0"], "argument --updates: must be an integer >= 1, got '0'"),
+        (["train", "--dp-clip", "0"], "argument --dp-clip: must be a number > 0, got '0'"),
+        (["train", "--dp-clip", "1", "--dp-noise", "-1"],
+         "argument --dp-noise: must be a number >= 0, got '-1'"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(capsys, argv, message):
@@ -425,6 +429,35 @@ def test_train_short_run_output_format_and_json(capsys, small_npz, tmp_path):
         "--batch-size", "10", "--iterations", "120", "--runs", "2", "--seed", "3",
     )
     assert again[-1] == lines[-1]
+
+
+def test_train_with_privacy_reports_epsilon(capsys, small_npz, tmp_path):
+    """--dp-clip/--dp-noise: DP-SGD, each run's epsilon (dp-accounting's for 40
+    updates at q = 30/600), the same for every run; without --dp-seed the noise is
+    fresh, with it the runs repeat."""
+    argv = ["train", "--data", str(small_npz), "--average-gradients", "3", "--batch-size",
+            "10", "--iterations", "120", "--runs", "2", "--seed", "3", "--dp-clip", "1.0",
+            "--dp-noise", "1.1", "--json", str(tmp_path / "r.json")]
+    code, lines, _ = run_cli(capsys, *argv)
+    assert code == 0
+    assert lines[1].endswith("DP-SGD: clip 1, noise multiplier 1.1")
+    expected = core_privacy.epsilon(1.1, 30 / 600, 40, 1e-5)
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["epsilon"] == pytest.approx(expected) and result["delta"] == 1e-5
+    assert lines[-1].endswith(
+        f"epsilon {expected:.3g} at delta 1e-05 per run (RDP accountant, Poisson "
+        "sampling at q = 30/600)"
+    )
+    runs = [line for line in lines if line.startswith("run ")]
+    assert all(f"epsilon {expected:.3g} at delta 1e-05" in line for line in runs)
+    seeded = [*argv[:-2], "--dp-seed"]
+    code, first, _ = run_cli(capsys, *seeded)
+    code, again, _ = run_cli(capsys, *seeded)
+    assert first[-1] == again[-1]
+    code, err = exit_of(capsys, "train", "--data", str(small_npz), "--dp-clip", "1")
+    assert code == 2
+    assert err == ("gradaccum train: error: --dp-clip and --dp-noise must be given together "
+                   "(the clipping norm C and the noise multiplier sigma)\n")
 
 
 def test_sweep_short_run_writes_table_json_csv_and_png(capsys, small_npz, tmp_path):

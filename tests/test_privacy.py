@@ -359,3 +359,60 @@ def test_xla_compiles_the_private_step_sparse_rows_included():
         return model
 
     assert_weights_close(trained(True), trained(False), atol=1e-5)
+
+
+class UnitBatchWeight(keras.layers.Layer):
+    """`x @ w` with a weight of shape (1, d, e): a batch axis of size 1, which oneDNN
+    multiplies wrong in a vectorized pass unless it is squeezed."""
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(1, shape[-1], 6))
+
+    def call(self, x):
+        return keras.ops.matmul(x, self.w)
+
+
+def conv_model():
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((6, 6, 2))
+    hidden = keras.layers.DepthwiseConv2D(3, padding="same")(inputs)
+    hidden = keras.layers.UpSampling2D(interpolation="bilinear")(hidden)
+    return keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Flatten()(hidden)))
+
+
+def unit_batch_model():
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((6, 8))
+    hidden = keras.layers.Flatten()(UnitBatchWeight()(inputs))
+    return keras.Model(inputs, keras.layers.Dense(3)(hidden))
+
+
+@pytest.mark.parametrize("make, shape", [(conv_model, (6, 6, 2)), (unit_batch_model, (6, 8))],
+                         ids=["depthwise_bilinear", "unit_batch_weight"])
+def test_ops_pfor_loops_over_and_matmuls_oneDNN_gets_wrong_are_exact(make, shape):
+    """A depthwise convolution and a bilinear resize (ops pfor runs in a loop over the
+    examples), a weight with a batch axis of 1 (a matmul oneDNN computes wrong when
+    vectorized as it is): with a clip no example reaches and no noise, the window's
+    update is plain fit's on the window."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, *shape)).astype("float32")
+    y = rng.integers(0, 3, 8)
+    private = gradaccum.accumulate(make(), steps=2, privacy=gradaccum.Privacy(1e9, 0.0))
+    private.compile(optimizer=keras.optimizers.SGD(0.5), loss=SCE)
+    private.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    plain = make()
+    plain.compile(optimizer=keras.optimizers.SGD(0.5), loss=SCE)
+    plain.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    assert_weights_close(private, plain)
+
+
+def test_an_op_that_cannot_run_per_example_is_named():
+    """An Embedding feeding an LSTM does not vectorize per example in TensorFlow 2.21:
+    a ValueError that says so, not TensorFlow's error from inside pfor."""
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((5,), dtype="int32"), keras.layers.Embedding(10, 4),
+                              keras.layers.LSTM(3)], name="reader")
+    gradaccum.accumulate(model, steps=2, privacy=gradaccum.Privacy(1.0, 1.0))
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(ValueError, match="which cannot run model 'reader'"):
+        model.fit(np.ones((4, 5), "int32"), np.zeros((4, 3)), batch_size=2, verbose=0)

@@ -140,6 +140,8 @@ SLOW = [
     "test_privacy.py::test_the_noise_follows_the_seed",
     "test_privacy.py::test_without_noise_epsilon_is_infinite",
     "test_privacy.py::test_xla_compiles_the_private_step_sparse_rows_included",
+    "test_privacy.py::test_ops_pfor_loops_over_and_matmuls_oneDNN_gets_wrong_are_exact",
+    "test_cli.py::test_train_with_privacy_reports_epsilon",
     "jax_backend/test_jax_privacy.py::test_the_noise_of_an_update_has_standard_deviation_sigma_c_over_b",
     "jax_backend/test_jax_privacy.py::"
     "test_split_mode_equals_steps_and_the_accountant_is_dp_accountings",

@@ -141,6 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "is added once per update (with --dp-clip)")
     train.add_argument("--dp-delta", type=_positive_float, default=1e-5,
                        help="DP-SGD: the delta epsilon is reported at (default 1e-5)")
+    train.add_argument("--dp-seed", action="store_true",
+                       help="DP-SGD: seed the noise with each run's (printed) seed, for "
+                            "reproducible experiments; by default the noise is drawn "
+                            "from the operating system's entropy, as private training "
+                            "needs")
     _common(train, runs_default=1)
 
     sweep = sub.add_parser(
@@ -251,7 +256,8 @@ def _privacy(parser, args, data):
     if not args.dp_delta < 1:
         _fail(parser, args.command, f"--dp-delta must be in (0, 1), got {args.dp_delta:g}")
     return dict(l2_norm_clip=args.dp_clip, noise_multiplier=args.dp_noise,
-                dataset_size=len(data.x_train), delta=args.dp_delta)
+                dataset_size=len(data.x_train), delta=args.dp_delta,
+                seeded=args.dp_seed)
 
 
 def _train(parser, args) -> int:

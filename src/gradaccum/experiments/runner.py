@@ -86,12 +86,18 @@ def run_once(
     privacy: dict | None = None,
 ) -> RunResult:
     """Trains a fresh network with `gradaccum.wrap` (in the form `config` says) and
-    returns its test accuracy. `privacy`: `gradaccum.Privacy`'s arguments (DP-SGD,
-    seeded by the run's seed)."""
+    returns its test accuracy. `privacy`: `gradaccum.Privacy`'s arguments (DP-SGD),
+    and `seeded`: whether the noise takes the run's seed (else the system's entropy)."""
     keras.utils.clear_session()
     keras.utils.set_random_seed(seed)
     net = build_model(model)
-    private = None if privacy is None else gradaccum.Privacy(seed=seed, **privacy)
+    private = None
+    if privacy is not None:
+        privacy = dict(privacy)
+        # The run's seed (printed) only when asked for: predictable noise protects
+        # nothing.
+        noise_seed = seed if privacy.pop("seeded", False) else None
+        private = gradaccum.Privacy(seed=noise_seed, **privacy)
     if config.split:
         # One batch of k*b per update, split inside the step.
         trainer = gradaccum.wrap(net, micro_batch_size=config.batch_size, privacy=private)

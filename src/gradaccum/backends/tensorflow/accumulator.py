@@ -191,7 +191,7 @@ class GradientAccumulator(tf.Module):
         # DP-SGD (`gradaccum.Privacy`, set by the fit integration): the window's sums
         # are noised once when it is applied, from this seed and the update count.
         self._privacy = Untracked(None)
-        self._noise_seed = 0
+        self._noise_seed = None
         strategy = dist.distribution_of(variables)
         dist.check_reduced_dtype(strategy, self._accumulator_dtype)
         batch_norms = batch_normalization_layers(layers)

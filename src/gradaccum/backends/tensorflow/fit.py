@@ -72,7 +72,12 @@ class Options(CoreOptions):
             layer._reset_window()
         if self.privacy is not None:
             accumulator._privacy = Untracked(self.privacy)
-            accumulator._noise_seed = self.privacy.noise_seed()
+            # A variable made in the strategy's scope: under several workers its
+            # initial value is the chief's, so every worker draws the same noise.
+            accumulator._noise_seed = tf.Variable(
+                self.privacy.noise_seed(), dtype=tf.int64, trainable=False,
+                name="noise_seed",
+            )
         return accumulator
 
 
@@ -394,7 +399,10 @@ class Accumulation:
         """With privacy: the updates made and the most examples a window held."""
         state = self.state
         if state is None or state.accumulator is None:
-            return 0, 0.0
+            # After a compile the values wait for the next state.
+            pending = self._pending
+            return (int(np.asarray(pending.get("updates", 0))),
+                    float(np.asarray(pending.get("largest_window", 0.0))))
         return int(state.accumulator.updates.numpy()), float(state.largest_window.numpy())
 
     # Warnings --------------------------------------------------------------------

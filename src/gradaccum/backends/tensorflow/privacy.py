@@ -70,7 +70,17 @@ def clipped_micro_batch(accumulation, x, y, sample_weight):
                 parts.append(gradient)
         return tf.nest.map_structure(lambda t: t[0], y_pred), parts
 
-    y_pred, parts = per_example(one_example, elements)
+    try:
+        y_pred, parts = per_example(one_example, elements)
+    except (ValueError, TypeError, NotImplementedError) as error:
+        if "`privacy`" in str(error):
+            raise
+        raise ValueError(
+            "`privacy` computes each example's gradient in one vectorized pass "
+            "(tf.vectorized_map), which cannot run model "
+            f"{host.name!r}: {type(error).__name__}: {str(error).splitlines()[0]} "
+            "Received: a model with an op TensorFlow cannot vectorize per example."
+        ) from error
     _check_no_added_losses(host)
     examples = tf.shape(tf.nest.flatten(x)[0])[0]
     squares = tf.zeros([examples], tf.float32)
@@ -184,7 +194,7 @@ def noised(accumulator, sums):
     if privacy is None or privacy.noise_stddev == 0:
         return sums
     seed = tf.stack([
-        tf.constant(accumulator._noise_seed, tf.int64),
+        tf.convert_to_tensor(accumulator._noise_seed),
         tf.cast(accumulator.state.updates, tf.int64),
     ])
     noisy = []

@@ -27,10 +27,11 @@ _MATMULS = ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3")
 
 
 def per_example(function, elements):
-    """`tf.vectorized_map(function, elements)` with the converters above (no fallback
-    to a loop: every op must vectorize)."""
+    """`tf.vectorized_map(function, elements)` with the converters above; an op pfor
+    cannot vectorize (a depthwise convolution's filter gradient, a bilinear resize)
+    runs in a loop over the examples, the rest stays vectorized."""
     with _converters_swapped():
-        return tf.vectorized_map(function, elements, fallback_to_while_loop=False)
+        return tf.vectorized_map(function, elements, fallback_to_while_loop=True)
 
 
 def _flattened(op):
@@ -91,6 +92,10 @@ def _matmul_at_rank_3(original):
         x, x_stacked, _ = pfor_input.input(0)
         y, y_stacked, _ = pfor_input.input(1)
         adj_x, adj_y = pfor_input.get_attr("adj_x"), pfor_input.get_attr("adj_y")
+        if (x_stacked and not y_stacked and y.shape.rank is not None and y.shape.rank > 2
+                and all(size == 1 for size in y.shape[:-2])):
+            # A matrix with batch axes of size 1 (a weight of shape (1, d, e)).
+            y = tf.reshape(y, tf.shape(y)[-2:])
         if x_stacked and not y_stacked and y.shape.rank == 2 and not adj_x:
             shape = tf.shape(x)
             result = tf.linalg.matmul(tf.reshape(x, [-1, shape[-1]]), y, adjoint_b=adj_y)
