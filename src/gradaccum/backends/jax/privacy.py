@@ -13,6 +13,7 @@ import contextlib
 import jax
 import jax.numpy as jnp
 import keras
+import numpy as np
 
 from gradaccum import _keras_common as kc
 
@@ -116,10 +117,16 @@ def _without_loss_metrics(compile_loss):
 
 def noise_key(seed: int):
     """The root key of a model's noise, from a seed in [0, 2**63): its 31-bit parts
-    (JAX's default integers are 32-bit)."""
-    key = jax.random.key(seed & 0x7FFFFFFF)
-    key = jax.random.fold_in(key, (seed >> 31) & 0x7FFFFFFF)
-    return jax.random.fold_in(key, seed >> 62)
+    (JAX's default integers are 32-bit). Under several processes (multi-host) the
+    first process's seed, so that every host draws the same noise."""
+    parts = np.asarray([seed & 0x7FFFFFFF, (seed >> 31) & 0x7FFFFFFF, seed >> 62], "int32")
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        parts = np.asarray(multihost_utils.broadcast_one_to_all(parts))
+    key = jax.random.key(int(parts[0]))
+    key = jax.random.fold_in(key, int(parts[1]))
+    return jax.random.fold_in(key, int(parts[2]))
 
 
 def noised(sums, privacy, key, update_index):
