@@ -141,6 +141,7 @@ SLOW = [
     "test_privacy.py::test_without_noise_epsilon_is_infinite",
     "test_privacy.py::test_xla_compiles_the_private_step_sparse_rows_included",
     "test_privacy.py::test_ops_pfor_loops_over_and_matmuls_oneDNN_gets_wrong_are_exact",
+    "test_privacy.py::test_an_embedding_feeding_an_lstm_runs_example_by_example_and_is_exact",
     "test_cli.py::test_train_with_privacy_reports_epsilon",
     "jax_backend/test_jax_privacy.py::test_the_noise_of_an_update_has_standard_deviation_sigma_c_over_b",
     "jax_backend/test_jax_privacy.py::"

@@ -4,7 +4,9 @@
 
 Per-example gradients come from one `tf.vectorized_map` over the micro-batch's
 examples: the model's forward pass, its compiled loss and the backward pass of one
-example each, vectorized (no Python loop over examples). A sparse gradient (an
+example each, vectorized (no Python loop over examples). A model with a recurrent
+layer, or one pfor cannot convert as a whole, runs its examples one after another in
+a `tf.map_fn` instead: slower, as exact. A sparse gradient (an
 embedding's) stays sparse: its norm sums each row once, however often the example
 looks it up.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 
+import keras
 import tensorflow as tf
 
 from gradaccum.backends.tensorflow import keras_compat as kc
@@ -70,17 +73,19 @@ def clipped_micro_batch(accumulation, x, y, sample_weight):
                 parts.append(gradient)
         return tf.nest.map_structure(lambda t: t[0], y_pred), parts
 
-    try:
-        y_pred, parts = per_example(one_example, elements)
-    except (ValueError, TypeError, NotImplementedError) as error:
-        if "`privacy`" in str(error):
-            raise
-        raise ValueError(
-            "`privacy` computes each example's gradient in one vectorized pass "
-            "(tf.vectorized_map), which cannot run model "
-            f"{host.name!r}: {type(error).__name__}: {str(error).splitlines()[0]} "
-            "Received: a model with an op TensorFlow cannot vectorize per example."
-        ) from error
+    if _recurrent(host):
+        # pfor converts a recurrent layer's loop, but not always right (an Embedding
+        # feeding an LSTM fails as it runs, in TensorFlow 2.21): the examples run
+        # one after another.
+        y_pred, parts = _one_by_one(one_example, elements)
+    else:
+        try:
+            y_pred, parts = per_example(one_example, elements)
+        except (ValueError, TypeError, NotImplementedError) as error:
+            if "`privacy`" in str(error):
+                raise
+            # pfor cannot convert the model's graph as a whole.
+            y_pred, parts = _one_by_one(one_example, elements)
     _check_no_added_losses(host)
     examples = tf.shape(tf.nest.flatten(x)[0])[0]
     squares = tf.zeros([examples], tf.float32)
@@ -98,6 +103,23 @@ def clipped_micro_batch(accumulation, x, y, sample_weight):
         position += 1
     clipped = _with_regularization(host, variables, clipped, examples)
     return y_pred, clipped, examples
+
+
+def _recurrent(model) -> bool:
+    """Whether `model` holds a recurrent layer (LSTM, GRU, SimpleRNN, a wrapper)."""
+    return any(isinstance(layer, (keras.layers.RNN, keras.layers.Bidirectional))
+               for layer in kc.flatten_layers(model))
+
+
+def _one_by_one(function, elements):
+    """`function` on each example in turn (`tf.map_fn`), its outputs stacked as
+    `per_example`'s: slower, the same values."""
+    spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape[1:], t.dtype), elements)
+    outputs = tf.function(function, autograph=False).get_concrete_function(spec)
+    signature = tf.nest.map_structure(
+        lambda t: tf.TensorSpec(t.shape, t.dtype), outputs.structured_outputs
+    )
+    return tf.map_fn(function, elements, fn_output_signature=signature)
 
 
 def _squared_norms(kind, part, examples):
