@@ -10,6 +10,7 @@ backend, so a Keras release that changes one fails loudly in one place.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import keras
@@ -154,3 +155,20 @@ def model_metrics(model) -> list:
     """The list of metrics a model tracks itself, which `Model.metrics` (and so the
     state the JAX trainer carries through its step) includes."""
     return model._metrics
+
+
+@contextlib.contextmanager
+def loss_metrics_set_aside(compile_loss):
+    """A compiled loss of several outputs that does not update its per-output loss
+    metrics (Keras pairs its losses with `_metrics`; None: no metric): per example
+    those updates would count each example as a batch."""
+    metrics = getattr(compile_loss, "_metrics", None)
+    if not metrics:
+        yield
+        return
+    saved = list(metrics)
+    metrics[:] = [None] * len(saved)
+    try:
+        yield
+    finally:
+        metrics[:] = saved

@@ -234,6 +234,38 @@ def check_layers(model) -> None:
             )
 
 
+def per_example_inputs(model, x, y, sample_weight):
+    """What both backends' per-example pass maps over: the model's compiled loss
+    (refused without one) and the micro-batch's parts as one dict (`x`, and `y` and
+    `sample_weight` when given)."""
+    compile_loss = kc.compiled_loss(model)
+    if compile_loss is None:
+        raise ValueError(
+            "`privacy` needs the model's compiled loss: each example's gradient is that "
+            f"of its loss. Received: model {model.name!r} compiled without a loss."
+        )
+    elements = {"x": x}
+    if y is not None:
+        elements["y"] = y
+    if sample_weight is not None:
+        elements["sample_weight"] = sample_weight
+    return compile_loss, elements
+
+
+def regularized_variables(model) -> int:
+    """How many of the model's trainable variables have a weight regularizer."""
+    return sum(getattr(v, "regularizer", None) is not None
+               for v in model.trainable_variables)
+
+
+def clip_factors(squared_norms, l2_norm_clip):
+    """Each example's clipping factor `C / max(norm, C)` (1 within the bound), from
+    its squared L2 norm (float32)."""
+    ops = keras.ops
+    clip = ops.convert_to_tensor(l2_norm_clip, "float32")
+    return clip / ops.maximum(ops.sqrt(squared_norms), clip)
+
+
 def sampling_rate(window: float, dataset_size: int) -> float:
     """`q = window / dataset_size`, checked: a window larger than the dataset is not a
     sample of it."""

@@ -8,14 +8,13 @@ examples: the model's stateless forward pass and compiled loss of one example ea
 
 from __future__ import annotations
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import keras
 import numpy as np
 
 from gradaccum import _keras_common as kc
+from gradaccum.core.privacy import clip_factors, per_example_inputs, regularized_variables
 
 
 def clipped_micro_batch(model, privacy, trainable, non_trainable, x, y, sample_weight):
@@ -29,20 +28,9 @@ def clipped_micro_batch(model, privacy, trainable, non_trainable, x, y, sample_w
         the micro-batch's predictions and the non-trainable variables after its
         forward pass.
     """
-    compile_loss = kc.compiled_loss(model)
-    if compile_loss is None:
-        raise ValueError(
-            "`privacy` needs the model's compiled loss: each example's gradient is that "
-            f"of its loss. Received: model {model.name!r} compiled without a loss."
-        )
-    elements = {"x": x}
-    if y is not None:
-        elements["y"] = y
-    if sample_weight is not None:
-        elements["sample_weight"] = sample_weight
+    compile_loss, elements = per_example_inputs(model, x, y, sample_weight)
     kwargs = {"training": True} if kc.call_has_training_arg(model) else {}
-    regularized = sum(getattr(v, "regularizer", None) is not None
-                      for v in model.trainable_variables)
+    regularized = regularized_variables(model)
 
     def example_loss(trainable, element):
         single = jax.tree_util.tree_map(lambda t: t[None], element)
@@ -57,7 +45,7 @@ def clipped_micro_batch(model, privacy, trainable, non_trainable, x, y, sample_w
                 f"{model.name!r} adds a loss in its call (`add_loss`), computed over "
                 "the micro-batch. Received: a model whose layers add losses."
             )
-        with _without_loss_metrics(compile_loss):
+        with kc.loss_metrics_set_aside(compile_loss):
             loss = compile_loss(single.get("y"), y_pred, single.get("sample_weight"))
         return loss, (jax.tree_util.tree_map(lambda t: t[0], y_pred), new_non_trainable)
 
@@ -69,8 +57,7 @@ def clipped_micro_batch(model, privacy, trainable, non_trainable, x, y, sample_w
         jnp.sum(jnp.square(g.astype("float32")).reshape(examples, -1), axis=1)
         for g in gradients
     )
-    clip = jnp.asarray(privacy.l2_norm_clip, "float32")
-    factors = clip / jnp.maximum(jnp.sqrt(squares), clip)
+    factors = clip_factors(squares, privacy.l2_norm_clip)
     clipped = [jnp.tensordot(factors.astype(g.dtype), g, axes=1) for g in gradients]
     penalty = _regularization_gradients(model, trainable, non_trainable)
     if penalty is not None:
@@ -84,8 +71,7 @@ def clipped_micro_batch(model, privacy, trainable, non_trainable, x, y, sample_w
 def _regularization_gradients(model, trainable, non_trainable):
     """The gradient of the weight regularizers at `trainable` (None without any):
     they depend on the weights only, so they are neither clipped nor noised."""
-    if not any(getattr(v, "regularizer", None) is not None
-               for v in model.trainable_variables):
+    if not regularized_variables(model):
         return None
 
     def penalty(trainable):
@@ -97,22 +83,6 @@ def _regularization_gradients(model, trainable, non_trainable):
         return sum(jnp.asarray(loss, "float32") for loss in losses)
 
     return jax.grad(penalty)(trainable)
-
-
-@contextlib.contextmanager
-def _without_loss_metrics(compile_loss):
-    """A compiled loss of several outputs updates one metric per output; per example
-    those updates are not the batch's (the batch's loss, for the logs, updates them)."""
-    metrics = getattr(compile_loss, "_metrics", None)
-    if not metrics:
-        yield
-        return
-    saved = list(metrics)
-    metrics[:] = [None] * len(saved)
-    try:
-        yield
-    finally:
-        metrics[:] = saved
 
 
 def noise_key(seed: int):

@@ -36,6 +36,7 @@ from gradaccum._keras_common import (  # noqa: F401 (re-exported)
     get_keras_mask,
     is_loss_scale_optimizer,
     is_optimizer,
+    loss_metrics_set_aside,
     loss_tracker,
     named_optimizers,
     optimizer_name,

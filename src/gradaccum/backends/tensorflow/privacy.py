@@ -13,13 +13,12 @@ looks it up.
 
 from __future__ import annotations
 
-import contextlib
-
 import keras
 import tensorflow as tf
 
 from gradaccum.backends.tensorflow import keras_compat as kc
 from gradaccum.backends.tensorflow.vectorized import per_example
+from gradaccum.core.privacy import clip_factors, per_example_inputs, regularized_variables
 
 
 def clipped_micro_batch(accumulation, x, y, sample_weight):
@@ -34,24 +33,14 @@ def clipped_micro_batch(accumulation, x, y, sample_weight):
     host = accumulation.host
     privacy = accumulation.options.privacy
     variables = list(accumulation.state.accumulator.target_variables)
-    compile_loss = kc.compiled_loss(host)
-    if compile_loss is None:
-        raise ValueError(
-            "`privacy` needs the model's compiled loss: each example's gradient is that "
-            f"of its loss. Received: model {host.name!r} compiled without a loss."
-        )
-    elements = {"x": x}
-    if y is not None:
-        elements["y"] = y
-    if sample_weight is not None:
-        elements["sample_weight"] = sample_weight
+    compile_loss, elements = per_example_inputs(host, x, y, sample_weight)
     # Known when the function is traced: which variables get a gradient, and which
     # gradients are sparse.
     kinds = []
 
     def one_example(element):
         single = tf.nest.map_structure(lambda t: t[None], element)
-        with tf.GradientTape() as tape, _without_loss_metrics(compile_loss):
+        with tf.GradientTape() as tape, kc.loss_metrics_set_aside(compile_loss):
             if kc.call_has_training_arg(host):
                 y_pred = host(single["x"], training=True)
             else:
@@ -91,9 +80,7 @@ def clipped_micro_batch(accumulation, x, y, sample_weight):
     squares = tf.zeros([examples], tf.float32)
     for kind, part in zip([k for k in kinds if k is not None], parts):
         squares += _squared_norms(kind, part, examples)
-    clip = tf.constant(privacy.l2_norm_clip, tf.float32)
-    # C / max(norm, C): 1 for an example within the bound.
-    factors = clip / tf.maximum(tf.sqrt(squares), clip)
+    factors = clip_factors(squares, privacy.l2_norm_clip)
     clipped, position = [], 0
     for kind, variable in zip(kinds, variables):
         if kind is None:
@@ -159,8 +146,7 @@ def _with_regularization(host, variables, clipped, examples):
     """Adds `examples` times the gradient of the weight regularizers: they depend on
     the weights only, so they are neither clipped nor noised, and the window's mean
     carries their gradient once."""
-    losses = host.losses
-    if not losses:
+    if not regularized_variables(host):
         return clipped
     with tf.GradientTape() as tape:
         total = tf.add_n([tf.cast(loss, tf.float32) for loss in host.losses])
@@ -188,24 +174,6 @@ def _check_no_added_losses(host) -> None:
                 "(`add_loss`), computed over the micro-batch. Received: a model whose "
                 "layers add losses."
             )
-
-
-@contextlib.contextmanager
-def _without_loss_metrics(compile_loss):
-    """The compiled loss of several outputs updates one metric per output as it
-    computes them; per example those updates would count each example as a batch
-    (the batch's loss, computed for the logs, updates them once)."""
-    metrics = getattr(compile_loss, "_metrics", None)
-    if not metrics:
-        yield
-        return
-    saved = list(metrics)
-    # Keras pairs the losses with this list (None: no metric to update).
-    metrics[:] = [None] * len(saved)
-    try:
-        yield
-    finally:
-        metrics[:] = saved
 
 
 def noised(accumulator, sums):
