@@ -390,6 +390,33 @@ def test_save_weights_in_the_middle_of_a_window_resumes_exactly(tmp_path):
     assert_optimizer_close(resumed.optimizer, full.optimizer)
 
 
+def test_the_state_rides_as_the_sums_and_two_vectors_and_saves_each_field(tmp_path):
+    # The trainer carries one sum per trainable variable and the scalar fields packed
+    # in two vectors (each array it carries costs every call); checkpoints keep one
+    # entry per field, by name, and a field's view reads and writes its own place.
+    x, y = data(40)
+    model = _trainer(steps=4, partial="carry")
+    model.fit(x[:24], y[:24], batch_size=4, epochs=1, shuffle=False, verbose=0)
+    state = gradaccum.attach.accumulation_of(model).state
+    ours = [v for v in model.metrics_variables if any(v is s for s in state.variables)]
+    assert len(ours) == len(model.trainable_variables) + 2
+    assert int(state.micro_step.numpy()) == 2 and int(state.updates.numpy()) == 1
+    assert float(state.total_weight.numpy()) == 8.0
+    assert int(state.epoch_length.numpy()) == -1
+    path = str(tmp_path / "fields.weights.h5")
+    model.save_weights(path)
+    with np.load(gradaccum.attach._sidecar(path)) as saved:
+        assert int(saved["gradaccum_micro_step"]) == 2
+        assert float(saved["gradaccum_total_weight"]) == 8.0
+        assert int(saved["gradaccum_updates"]) == 1
+        assert saved["gradaccum_accumulator_0"].shape == model.trainable_variables[0].shape
+        assert "gradaccum_counts" not in saved.files
+    state.error_at.assign(7)
+    state.last_window_weight.assign(2.5)
+    assert int(state.error_at.numpy()) == 7 and float(state.last_window_weight.numpy()) == 2.5
+    assert int(state.micro_step.numpy()) == 2 and float(state.total_weight.numpy()) == 8.0
+
+
 def test_backup_and_restore_resumes_inside_an_epoch(tmp_path):
     x, y = data(40)
 

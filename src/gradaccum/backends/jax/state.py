@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import keras
+import numpy as np
 
 
 class AccumulationState(keras.metrics.Metric):
@@ -15,8 +17,17 @@ class AccumulationState(keras.metrics.Metric):
     `reset_state` keeps the window: Keras resets metrics at every epoch, and a
     window may stay open across epochs (`partial="carry"`).
 
-    Fields (`FIELDS`, plus `accumulator_<i>` per trainable variable: its window's
-    sum, a scalar zero in split mode, where the sums never outlive a step):
+    Variables: `accumulator_<i>` per trainable variable (its window's sum; a scalar
+    zero in split mode, where the sums never outlive a step), and the scalar fields
+    packed into two vectors, `counts` (int32: the integer and boolean fields) and
+    `weights` (the weight fields, then `term_ratios`). Every array the trainer
+    carries costs each call of the step (JAX's dispatch, Keras's tracking of its
+    state), so the fields travel as two; the step reads and writes them by name
+    (`unpack` / `pack`), and `named()` gives each field as a variable-like view
+    (`numpy`, `assign`, `shape`, `value`) under its own name, the name checkpoints
+    keep.
+
+    Fields (`FIELDS`):
     - `total_weight`: the sum of the open window's micro-batch weights.
     - `micro_step`: micro-batches accumulated in the open window.
     - `window_skipped`: micro-batches of the open window skipped as not finite (they
@@ -38,6 +49,8 @@ class AccumulationState(keras.metrics.Metric):
       counted from 1; the update index for a schedule's value below 1) and its
       number among all micro-batches (from 1); raised by `fit` after the jitted
       call, which cannot raise.
+    - with `gradaccum.Privacy`, `largest_window`: the most examples a window
+      applied held (the accountant's sampling rate).
     """
 
     FIELDS = (
@@ -59,14 +72,14 @@ class AccumulationState(keras.metrics.Metric):
         "error_at",
         "error_micro_batch",
     )
+    # The fields kept in `weights` (the rest are in `counts`).
+    WEIGHT_FIELDS = ("total_weight", "last_window_weight", "largest_window", "term_ratios")
     # What `error` holds.
     ERRORS = {"nonfinite": 1, "negative_weight": 2, "schedule": 3}
 
     def __init__(self, variables, accumulator_dtype="float32", terms=0, layouts=None,
                  split=False, private=False):
         super().__init__(name="gradaccum_state")
-        # With gradaccum.Privacy, `largest_window`: the most examples a window
-        # applied held (the accountant's sampling rate).
         self.fields = self.FIELDS + (("largest_window",) if private else ())
         # Under a keras.distribution each accumulator is laid out as its variable
         # (sharded like it, never whole on one device) and every field replicated.
@@ -79,16 +92,23 @@ class AccumulationState(keras.metrics.Metric):
             for i, (v, layout) in enumerate(zip(variables, layouts))
         ]
         weight_dtype = "float64" if accumulator_dtype == "float64" else "float32"
+        # Each field's place: (vector, start, shape, dtype).
+        self.places = {}
+        sizes = {"counts": 0, "weights": 0}
         for field in self.fields:
-            shape, dtype = (), "int32"
-            if field in ("total_weight", "last_window_weight", "largest_window"):
-                dtype = weight_dtype
-            elif field == "term_ratios":
-                shape, dtype = (terms,), "float32"
-            elif field == "inexact":
-                dtype = "bool"
-            initializer = "zeros" if field != "epoch_length" else keras.initializers.Constant(-1)
-            setattr(self, field, self._add(shape, initializer, dtype, field, replicated(shape)))
+            vector = "weights" if field in self.WEIGHT_FIELDS else "counts"
+            shape = (terms,) if field == "term_ratios" else ()
+            dtype = {"term_ratios": "float32", "inexact": "bool"}.get(
+                field, weight_dtype if vector == "weights" else "int32"
+            )
+            self.places[field] = (vector, sizes[vector], shape, dtype)
+            sizes[vector] += terms if shape else 1
+        initial = np.zeros((sizes["counts"],), "int32")
+        initial[self.places["epoch_length"][1]] = -1
+        self.counts = self._add((sizes["counts"],), keras.initializers.Constant(initial),
+                                "int32", "counts", replicated((1,)))
+        self.weights = self._add((sizes["weights"],), "zeros", weight_dtype, "weights",
+                                 replicated((1,)))
 
     def _add(self, shape, initializer, dtype, name, layout):
         """A variable of the state, with `layout` (None: the distribution's, if any)."""
@@ -104,14 +124,43 @@ class AccumulationState(keras.metrics.Metric):
         self._tracker.add_to_store("variables", variable)
         return variable
 
-    def shardings(self) -> dict:
-        """Each variable's sharding (where its value lives), by `named()`'s name."""
-        return {name: v.value.sharding for name, v in self.named().items()}
+    def __getattr__(self, name):
+        # A field by name (`state.micro_step.numpy()`): its view.
+        places = self.__dict__.get("places")
+        if places is not None and name in places:
+            return Field(self, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def carried(self) -> dict:
+        """The variables the trainer carries, by name: the accumulators, `counts`
+        and `weights`."""
+        named = {f"accumulator_{i}": v for i, v in enumerate(self.accumulators)}
+        named.update(counts=self.counts, weights=self.weights)
+        return named
+
+    def unpack(self, carried: dict) -> dict:
+        """`carried`'s values (as `carried()` names them) with the fields read out of
+        `counts` and `weights`: the window by name, as the step works on it."""
+        window = {k: v for k, v in carried.items() if k not in ("counts", "weights")}
+        for field, (vector, start, shape, dtype) in self.places.items():
+            value = carried[vector][start:start + (shape[0] if shape else 1)]
+            window[field] = (value if shape else value[0]).astype(dtype)
+        return window
+
+    def pack(self, window: dict) -> dict:
+        """The inverse of `unpack`: the fields of `window` back in the two vectors."""
+        carried = {k: v for k, v in window.items() if k not in self.places}
+        for vector, dtype in (("counts", "int32"), ("weights", self.weights.dtype)):
+            parts = [jnp.reshape(window[field], (-1,)).astype(dtype)
+                     for field, place in self.places.items() if place[0] == vector]
+            carried[vector] = jnp.concatenate(parts) if parts else jnp.zeros((0,), dtype)
+        return carried
 
     def named(self) -> dict:
-        """Every variable under its stable name (`accumulator_<i>` and the fields)."""
+        """Every accumulator and field under its stable name (`accumulator_<i>` and
+        the fields: the names checkpoints keep), each field as a `Field` view."""
         named = {f"accumulator_{i}": v for i, v in enumerate(self.accumulators)}
-        named.update({field: getattr(self, field) for field in self.fields})
+        named.update({field: Field(self, field) for field in self.fields})
         return named
 
     def update_state(self, *args, **kwargs):
@@ -125,6 +174,33 @@ class AccumulationState(keras.metrics.Metric):
 
     def reset_state(self):
         pass
+
+
+class Field:
+    """One field of an `AccumulationState`, read from and written to its packed
+    vector as a variable would be (outside the jitted step)."""
+
+    def __init__(self, state: AccumulationState, name: str):
+        self.state = state
+        self.name = name
+        self.vector, self.start, self.shape, self.dtype = state.places[name]
+
+    def _slice(self):
+        return slice(self.start, self.start + (self.shape[0] if self.shape else 1))
+
+    @property
+    def value(self):
+        value = getattr(self.state, self.vector).value[self._slice()]
+        return (value if self.shape else value[0]).astype(self.dtype)
+
+    def numpy(self):
+        return np.asarray(self.value)
+
+    def assign(self, value) -> None:
+        variable = getattr(self.state, self.vector)
+        packed = np.array(variable.numpy())
+        packed[self._slice()] = np.reshape(np.asarray(value), (-1,)).astype(packed.dtype)
+        variable.assign(packed)
 
 
 def replicated(shape):

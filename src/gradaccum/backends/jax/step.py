@@ -71,7 +71,7 @@ class TrainStep:
         self.normalizers = normalizers
         self.warned_no_compiled_loss = False
         metrics_variables = model.metrics_variables
-        ours = {id(v): name for name, v in state.named().items()}
+        ours = {id(v): name for name, v in state.carried().items()}
         # Where the state's variables sit among the trainer's metric variables.
         self.slots = {ours[id(v)]: i for i, v in enumerate(metrics_variables) if id(v) in ours}
         if len(self.slots) != len(ours):
@@ -118,7 +118,8 @@ class TrainStep:
         into micro-batches of `micro_batch_size` (the option's unless given: the
         size `"auto"` tries)."""
         trainable, non_trainable, optimizer_variables, metrics_variables = state
-        ours = {name: metrics_variables[i] for name, i in self.slots.items()}
+        ours = self.state.unpack({name: metrics_variables[i]
+                                  for name, i in self.slots.items()})
         if self.options.split:
             size = micro_batch_size or self.options.micro_batch_size
             (logs, trainable, non_trainable, optimizer_variables, metrics_variables,
@@ -133,10 +134,10 @@ class TrainStep:
             (logs, trainable, non_trainable, optimizer_variables, metrics_variables,
              ours) = self.micro_batch(trainable, non_trainable, optimizer_variables,
                                       metrics_variables, ours, x, y, sample_weight)
-        metrics_variables = list(metrics_variables)
-        for name, i in self.slots.items():
-            metrics_variables[i] = ours[name]
         logs = dict(logs, **self.counters(optimizer_variables, ours))
+        metrics_variables = list(metrics_variables)
+        for name, value in self.state.pack(ours).items():
+            metrics_variables[self.slots[name]] = value
         return logs, (trainable, non_trainable, optimizer_variables, metrics_variables)
 
     def micro_batch(self, trainable, non_trainable, optimizer_variables,
@@ -768,7 +769,8 @@ class TrainStep:
             appliers.append(applier.renumbered(len(carried)))
             carried += list(applier.optimizer.variables)
         optimizer_variables = [v.value for v in carried]
-        window = {name: v.value for name, v in self.state.named().items()}
+        ours = self.state.carried()
+        window = self.state.unpack({name: v.value for name, v in ours.items()})
         has = window["micro_step"] > 0
         applied = jnp.asarray(apply) & has
         close = functools.partial(self.close, appliers=appliers)
@@ -779,8 +781,8 @@ class TrainStep:
             v.assign(value)
         for v, value in zip(carried, optimizer_variables):
             v.assign(value)
-        for name, v in self.state.named().items():
-            v.assign(window[name])
+        for name, value in self.state.pack(window).items():
+            ours[name].assign(value)
         return bool(applied)
 
     @property
