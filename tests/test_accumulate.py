@@ -452,3 +452,21 @@ def test_a_compile_that_freezes_a_layer_keeps_each_variables_window():
     reference.compile(keras.optimizers.SGD(0.5), SCE)
     reference.train_on_batch(x[12:24], y[12:24])
     assert_weights_close(model, reference)
+
+
+def test_train_on_batch_after_fit_closes_windows_by_their_rule_only():
+    # fit ends an epoch of 8 micro-batches (2 windows of 4); train_on_batch after
+    # it has no epoch, so 12 micro-batches make 3 windows, not one at every
+    # micro-batch past the fit's epoch length.
+    x, y = data(80)
+    model = gradaccum.accumulate(_three_layers(), steps=4)
+    model.compile(keras.optimizers.Adam(0.05), SCE)
+    model.fit(x[:32], y[:32], batch_size=4, epochs=1, shuffle=False, verbose=0)
+    for i in range(12):
+        model.train_on_batch(x[32 + 4 * i:36 + 4 * i], y[32 + 4 * i:36 + 4 * i])
+    reference = _three_layers()
+    reference.compile(keras.optimizers.Adam(0.05), SCE)
+    for start in range(0, 80, 16):
+        reference.train_on_batch(x[start:start + 16], y[start:start + 16])
+    assert int(model.optimizer.iterations) == 5
+    assert_weights_close(model, reference)

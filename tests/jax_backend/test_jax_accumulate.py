@@ -528,3 +528,16 @@ def test_steps_1_skips_a_nonfinite_micro_batch():
     assert_weights_close(model, plain)
     assert_optimizer_close(model.optimizer, plain.optimizer)
     assert history.history["skipped"] == [1.0] and history.history["updates"] == [5.0]
+
+
+def test_train_on_batch_after_fit_closes_windows_by_their_rule_only():
+    # As on TensorFlow: after fit's epoch of 8 micro-batches, 12 train_on_batch
+    # micro-batches make 3 windows of 4.
+    x, y = data(80)
+    model = _trainer(steps=4)
+    model.fit(x[:32], y[:32], batch_size=4, epochs=1, shuffle=False, verbose=0)
+    for i in range(12):
+        model.train_on_batch(x[32 + 4 * i:36 + 4 * i], y[32 + 4 * i:36 + 4 * i])
+    reference = _reference([np.arange(s, s + 16) for s in range(0, 80, 16)], x, y)
+    assert int(model.optimizer.iterations) == 5
+    assert_weights_close(model, reference)
