@@ -470,3 +470,34 @@ def test_train_on_batch_after_fit_closes_windows_by_their_rule_only():
         reference.train_on_batch(x[start:start + 16], y[start:start + 16])
     assert int(model.optimizer.iterations) == 5
     assert_weights_close(model, reference)
+
+
+class _StopAfter(keras.callbacks.Callback):
+    """Raises after `batches` batches of a fit (an interrupt)."""
+
+    def __init__(self, batches):
+        super().__init__()
+        self.batches = batches
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch + 1 == self.batches:
+            raise RuntimeError("interrupted")
+
+
+def test_train_on_batch_after_an_interrupted_fit_closes_windows_by_their_rule_only():
+    # The fit stops after 6 of its 8 micro-batches (one window applied, 2 open);
+    # 12 train_on_batch micro-batches then close 3 windows of 4.
+    x, y = data(80)
+    model = gradaccum.accumulate(_three_layers(), steps=4)
+    model.compile(keras.optimizers.Adam(0.05), SCE, steps_per_execution=1)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        model.fit(x[:32], y[:32], batch_size=4, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[_StopAfter(6)])
+    for i in range(12):
+        model.train_on_batch(x[24 + 4 * i:28 + 4 * i], y[24 + 4 * i:28 + 4 * i])
+    reference = _three_layers()
+    reference.compile(keras.optimizers.Adam(0.05), SCE)
+    for start in range(0, 64, 16):
+        reference.train_on_batch(x[start:start + 16], y[start:start + 16])
+    assert int(model.optimizer.iterations) == 4
+    assert_weights_close(model, reference)

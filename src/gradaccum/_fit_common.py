@@ -122,6 +122,16 @@ def begin_fit(accumulation, hook, epochs, callbacks, kwargs):
     return callbacks
 
 
+def after_fit(accumulation) -> None:
+    """When a fit ends, however it ends (an error, an interrupt): no epoch runs
+    outside it, so windows close by their rule only (`train_on_batch`); the fit's
+    epoch length would otherwise close one at every micro-batch past it."""
+    state = accumulation.state
+    if state is not None:
+        state.epoch_length.assign(-1)
+        state.epoch_step.assign(0)
+
+
 def hook_first(hook, callbacks):
     """`fit`'s callbacks with gradaccum's `hook` first, and whether they can restore
     inside an epoch (a `BackupAndRestore` among them).

@@ -541,3 +541,55 @@ def test_train_on_batch_after_fit_closes_windows_by_their_rule_only():
     reference = _reference([np.arange(s, s + 16) for s in range(0, 80, 16)], x, y)
     assert int(model.optimizer.iterations) == 5
     assert_weights_close(model, reference)
+
+
+class _StopAfter(keras.callbacks.Callback):
+    """Raises after `batches` batches of a fit (an interrupt)."""
+
+    def __init__(self, batches):
+        super().__init__()
+        self.batches = batches
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch + 1 == self.batches:
+            raise RuntimeError("interrupted")
+
+
+def test_train_on_batch_after_an_interrupted_fit_closes_windows_by_their_rule_only():
+    # The fit stops after 6 of its 8 micro-batches (one window applied, 2 open);
+    # 12 train_on_batch micro-batches then close 3 windows of 4.
+    x, y = data(80)
+    model = gradaccum.accumulate(mlp(0), steps=4)
+    model.compile(keras.optimizers.Adam(0.05), SCE, steps_per_execution=1)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        model.fit(x[:32], y[:32], batch_size=4, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[_StopAfter(6)])
+    for i in range(12):
+        model.train_on_batch(x[24 + 4 * i:28 + 4 * i], y[24 + 4 * i:28 + 4 * i])
+    reference = _reference([np.arange(s, s + 16) for s in range(0, 64, 16)], x, y)
+    assert int(model.optimizer.iterations) == 4
+    assert_weights_close(model, reference)
+
+
+def test_a_checkpoint_saved_in_a_fit_does_not_bring_back_its_epoch_length(tmp_path):
+    # Weights saved at an epoch's end (as ModelCheckpoint does), loaded into a model
+    # trained with train_on_batch: its windows close by their rule only.
+    class Save(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            self.model.save_weights(str(tmp_path / "epoch.weights.h5"))
+
+    x, y = data(80)
+    model = _trainer(steps=4)
+    model.fit(x[:32], y[:32], batch_size=4, epochs=1, shuffle=False, verbose=0,
+              callbacks=[Save()])
+    with np.load(gradaccum.attach._sidecar(tmp_path / "epoch.weights.h5")) as saved:
+        assert "gradaccum_epoch_length" not in saved.files
+    resumed = _trainer(steps=4, seed=5)
+    resumed.build((None, 6))
+    resumed.optimizer.build(resumed.trainable_variables)
+    resumed.load_weights(str(tmp_path / "epoch.weights.h5"))
+    for i in range(12):
+        resumed.train_on_batch(x[32 + 4 * i:36 + 4 * i], y[32 + 4 * i:36 + 4 * i])
+    reference = _reference([np.arange(s, s + 16) for s in range(0, 80, 16)], x, y)
+    assert int(resumed.optimizer.iterations) == 5
+    assert_weights_close(resumed, reference)

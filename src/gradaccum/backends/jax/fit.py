@@ -212,12 +212,17 @@ class Accumulation:
         if self.state is None:
             return
         for name, variable in self.state.named().items():
-            store[f"gradaccum_{name}"] = np.asarray(variable.numpy())
+            # The epoch's length is the running fit's (its hook sets it), never
+            # a checkpoint's.
+            if name != "epoch_length":
+                store[f"gradaccum_{name}"] = np.asarray(variable.numpy())
 
     def load_from(self, store) -> None:
+        # (`epoch_length` in a file saved before it was left out: ignored.)
         self._pending = {
             key[len("gradaccum_"):]: np.asarray(store[key])
-            for key in store.keys() if key.startswith("gradaccum_")
+            for key in store.keys()
+            if key.startswith("gradaccum_") and key != "gradaccum_epoch_length"
         }
         if self._pending and getattr(self.host, "optimizer", None) is not None:
             self.ensure_state()
@@ -270,8 +275,11 @@ class Accumulation:
         self._verbose = verbose
         hook = (_RaisingHook if self._raises() else EpochHook)(self)
         callbacks = _fit_common.begin_fit(self, hook, epochs, callbacks, kwargs)
-        return fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
-                   callbacks=callbacks, **kwargs)
+        try:
+            return fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
+                       callbacks=callbacks, **kwargs)
+        finally:
+            _fit_common.after_fit(self)
 
     def _raises(self) -> bool:
         options = self.options
@@ -437,8 +445,7 @@ class EpochHook(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         state = self._synced_state()
         self.accumulation.end_of_data()
-        # Outside fit (`train_on_batch`) no epoch ends: windows close by their rule.
-        state.epoch_length.assign(-1)
+        # (After it, `_fit_common.after_fit` leaves the epoch.)
         state.epoch_step.assign(0)
         if self.batches == 0 and self.epochs_to_run:
             raise ValueError(_fit_common.EMPTY_FIT)

@@ -235,11 +235,14 @@ class Accumulation:
         hook = EpochHook(self)
         self._repeat_warned = False
         callbacks = _fit_common.begin_fit(self, hook, epochs, callbacks, kwargs)
-        with kc.across_workers(host), kc.observing_epoch_length(host, hook):
-            return fit(
-                x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
-                callbacks=callbacks, **kwargs,
-            )
+        try:
+            with kc.across_workers(host), kc.observing_epoch_length(host, hook):
+                return fit(
+                    x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
+                    callbacks=callbacks, **kwargs,
+                )
+        finally:
+            _fit_common.after_fit(self)
 
     def before_evaluate(self, kwargs) -> None:
         if kwargs.get("_use_cached_eval_dataset"):

@@ -79,9 +79,5 @@ class EpochHook(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._accumulation.value.end_of_data()
-        # Outside fit (`train_on_batch`) no epoch ends: windows close by their rule
-        # (the last fit's epoch length would close one at every micro-batch).
-        self._state.epoch_length.assign(-1)
-        self._state.epoch_step.assign(0)
         if self._calls == 0 and self.epochs_to_run:
             raise ValueError(_fit_common.EMPTY_FIT)
