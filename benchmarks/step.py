@@ -1,0 +1,128 @@
+"""The compiled training step alone, without `fit` around it: what gradaccum adds
+inside the step, apart from the fixed cost each `fit` call pays outside it.
+
+    KERAS_BACKEND=jax python benchmarks/step.py --workload mlp -b 8 -k 4
+    KERAS_BACKEND=tensorflow python benchmarks/step.py --workload cnn -b 32 -k 1
+
+Contenders as in `equal.py` (plain fit, Keras's built-in `gradient_accumulation_steps`
+for k > 1, `accumulate`, and at every k `unscreened`: accumulate with
+`nonfinite="apply"`), each trained once through `fit` (which traces), then its step
+called directly on one batch:
+
+- JAX: the model's `train_step` jitted as Keras jits it (the state donated), called
+  on the trainer's state;
+- TensorFlow: the train function `fit` made, called on an iterator of the data
+  (one micro-batch per call).
+
+Printed: microseconds a call, the best of `--rounds` rounds of `--calls` calls, the
+contenders interleaved round by round; on JAX also the number of arrays the step
+carries. Nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+
+def trained(name: str, workload: str, b: int, k: int, x, y):
+    """A model of `workload` compiled as contender `name` and fit on two batches."""
+    import keras
+    import workloads
+
+    model = workloads.build(workload)
+    builtin = name == "builtin"
+    optimizer = keras.optimizers.Adam(1e-3, gradient_accumulation_steps=k if builtin else None)
+    if name in ("accumulate", "unscreened"):
+        import gradaccum
+
+        model = gradaccum.accumulate(
+            model, steps=k, nonfinite="apply" if name == "unscreened" else "skip"
+        )
+    model.compile(optimizer, workloads.loss(), steps_per_execution=1)
+    model.fit(x[: 2 * b], y[: 2 * b], batch_size=b, epochs=1, shuffle=False, verbose=0)
+    return model
+
+
+def jax_caller(model, x, y, b):
+    """`call()` runs the jitted step once; also the number of arrays it carries."""
+    import jax
+    import jax.numpy as jnp
+
+    state = model._get_jax_state(
+        trainable_variables=True, non_trainable_variables=True,
+        optimizer_variables=True, metrics_variables=True, purge_model_variables=False,
+    )
+    step = jax.jit(model.train_step, donate_argnums=0)
+    data = (jnp.asarray(x[:b]), jnp.asarray(y[:b]))
+    holder = [state]
+
+    def call(n):
+        for _ in range(n):
+            _, holder[0] = step(holder[0], data)
+        jax.block_until_ready(holder[0])
+
+    return call, len(jax.tree_util.tree_leaves(state))
+
+
+def tf_caller(model, x, y, b):
+    import tensorflow as tf
+
+    iterator = iter(
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(b, drop_remainder=True).repeat()
+    )
+    function = model.make_train_function()
+
+    def call(n):
+        for _ in range(n):
+            logs = function(iterator)
+        tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, logs)
+
+    return call, None
+
+
+def main(argv=None):
+    import keras
+    import workloads
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="mlp", choices=("mlp", "cnn", "transformer"))
+    parser.add_argument("-b", type=int, default=8, help="micro-batch size")
+    parser.add_argument("-k", type=int, default=4, help="micro-batches per window")
+    parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args(argv)
+    backend = keras.backend.backend()
+    x, y = workloads.data(args.workload, max(256, 4 * args.b))
+    names = ["plain"] + (["builtin"] if args.k > 1 else []) + ["accumulate", "unscreened"]
+    make = jax_caller if backend == "jax" else tf_caller
+    callers = {}
+    for name in names:
+        model = trained(name, args.workload, args.b, args.k, x, y)
+        call, arrays = make(model, x, y, args.b)
+        call(max(1, args.calls // 10))
+        callers[name] = (call, arrays)
+    best = dict.fromkeys(names, float("inf"))
+    for _ in range(args.rounds):
+        for name, (call, _) in callers.items():
+            start = time.perf_counter()
+            call(args.calls)
+            best[name] = min(best[name], (time.perf_counter() - start) / args.calls)
+    print(f"{backend}, {args.workload}, b={args.b}, k={args.k}: best of {args.rounds} x "
+          f"{args.calls} calls")
+    for name in names:
+        arrays = callers[name][1]
+        carried = "" if arrays is None else f"  ({arrays} arrays carried)"
+        print(f"  {name:11s} {best[name] * 1e6:9.1f} us a call  "
+              f"{best[name] / best['plain']:.2f}x plain{carried}")
+
+
+if __name__ == "__main__":
+    main()
