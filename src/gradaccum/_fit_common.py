@@ -122,14 +122,21 @@ def begin_fit(accumulation, hook, epochs, callbacks, kwargs):
     return callbacks
 
 
-def after_fit(accumulation) -> None:
+def after_fit(accumulation, failed: bool = False) -> None:
     """When a fit ends, however it ends (an error, an interrupt): no epoch runs
     outside it, so windows close by their rule only (`train_on_batch`); the fit's
-    epoch length would otherwise close one at every micro-batch past it."""
+    epoch length would otherwise close one at every micro-batch past it.
+    `failed`: the fit raised, and its error is the one to see (Keras's JAX trainer
+    may have taken the variables' values into its step and not given them back)."""
     state = accumulation.state
-    if state is not None:
+    if state is None:
+        return
+    try:
         state.epoch_length.assign(-1)
         state.epoch_step.assign(0)
+    except Exception:
+        if not failed:
+            raise
 
 
 def hook_first(hook, callbacks):

@@ -276,10 +276,13 @@ class Accumulation:
         hook = (_RaisingHook if self._raises() else EpochHook)(self)
         callbacks = _fit_common.begin_fit(self, hook, epochs, callbacks, kwargs)
         try:
-            return fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
-                       callbacks=callbacks, **kwargs)
-        finally:
-            _fit_common.after_fit(self)
+            history = fit(x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
+                          callbacks=callbacks, **kwargs)
+        except BaseException:
+            _fit_common.after_fit(self, failed=True)
+            raise
+        _fit_common.after_fit(self)
+        return history
 
     def _raises(self) -> bool:
         options = self.options

@@ -237,12 +237,15 @@ class Accumulation:
         callbacks = _fit_common.begin_fit(self, hook, epochs, callbacks, kwargs)
         try:
             with kc.across_workers(host), kc.observing_epoch_length(host, hook):
-                return fit(
+                history = fit(
                     x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
                     callbacks=callbacks, **kwargs,
                 )
-        finally:
-            _fit_common.after_fit(self)
+        except BaseException:
+            _fit_common.after_fit(self, failed=True)
+            raise
+        _fit_common.after_fit(self)
+        return history
 
     def before_evaluate(self, kwargs) -> None:
         if kwargs.get("_use_cached_eval_dataset"):
