@@ -46,8 +46,8 @@ GRID = (("mlp", "cnn", "transformer"), (8, 32, 128), (1, 4, 16))
 CONTENDERS = ("plain", "builtin", "accumulate", "unscreened")
 
 
-def make(name: str, workload: str, b: int, k: int, spe: int):
-    """A function `train(x, y)` that trains one epoch of (x, y) in micro-batches of b."""
+def compiled(name: str, workload: str, k: int, spe: int):
+    """A model of `workload` compiled as contender `name` (Adam 1e-3)."""
     import keras
     import workloads
 
@@ -64,6 +64,12 @@ def make(name: str, workload: str, b: int, k: int, spe: int):
     elif name not in ("plain", "builtin"):
         raise ValueError(f"unknown contender {name!r}")
     model.compile(optimizer, workloads.loss(), steps_per_execution=spe)
+    return model
+
+
+def make(name: str, workload: str, b: int, k: int, spe: int):
+    """A function `train(x, y)` that trains one epoch of (x, y) in micro-batches of b."""
+    model = compiled(name, workload, k, spe)
 
     def train(x, y):
         model.fit(x, y, batch_size=b, epochs=1, shuffle=False, verbose=0)

@@ -33,20 +33,11 @@ sys.path.insert(0, str(HERE))
 
 
 def trained(name: str, workload: str, b: int, k: int, x, y):
-    """A model of `workload` compiled as contender `name` and fit on two batches."""
-    import keras
-    import workloads
+    """A model of `workload` compiled as contender `name` (as `equal.py` compiles
+    it, one micro-batch per call) and fit on two batches."""
+    import equal
 
-    model = workloads.build(workload)
-    builtin = name == "builtin"
-    optimizer = keras.optimizers.Adam(1e-3, gradient_accumulation_steps=k if builtin else None)
-    if name in ("accumulate", "unscreened"):
-        import gradaccum
-
-        model = gradaccum.accumulate(
-            model, steps=k, nonfinite="apply" if name == "unscreened" else "skip"
-        )
-    model.compile(optimizer, workloads.loss(), steps_per_execution=1)
+    model = equal.compiled(name, workload, k, spe=1)
     model.fit(x[: 2 * b], y[: 2 * b], batch_size=b, epochs=1, shuffle=False, verbose=0)
     return model
 

@@ -446,10 +446,9 @@ class EpochHook(keras.callbacks.Callback):
         accumulation.warn()
 
     def on_train_end(self, logs=None):
-        state = self._synced_state()
+        self._synced_state()
         self.accumulation.end_of_data()
         # (After it, `_fit_common.after_fit` leaves the epoch.)
-        state.epoch_step.assign(0)
         if self.batches == 0 and self.epochs_to_run:
             raise ValueError(_fit_common.EMPTY_FIT)
 

@@ -138,22 +138,34 @@ class AccumulationState(keras.metrics.Metric):
         named.update(counts=self.counts, weights=self.weights)
         return named
 
+    def span(self, field: str) -> slice:
+        """Where `field` sits in its vector."""
+        _, start, shape, _ = self.places[field]
+        return slice(start, start + (shape[0] if shape else 1))
+
+    def read(self, vectors: dict, field: str):
+        """`field`'s value out of `vectors` (`counts` and `weights` by name), in its
+        own shape and dtype."""
+        vector, _, shape, dtype = self.places[field]
+        value = vectors[vector][self.span(field)]
+        return (value if shape else value[0]).astype(dtype)
+
     def unpack(self, carried: dict) -> dict:
         """`carried`'s values (as `carried()` names them) with the fields read out of
         `counts` and `weights`: the window by name, as the step works on it."""
         window = {k: v for k, v in carried.items() if k not in ("counts", "weights")}
-        for field, (vector, start, shape, dtype) in self.places.items():
-            value = carried[vector][start:start + (shape[0] if shape else 1)]
-            window[field] = (value if shape else value[0]).astype(dtype)
+        window.update({field: self.read(carried, field) for field in self.places})
         return window
 
     def pack(self, window: dict) -> dict:
-        """The inverse of `unpack`: the fields of `window` back in the two vectors."""
+        """The inverse of `unpack`: the fields of `window` back in the two vectors
+        (each holds at least two fields)."""
         carried = {k: v for k, v in window.items() if k not in self.places}
         for vector, dtype in (("counts", "int32"), ("weights", self.weights.dtype)):
-            parts = [jnp.reshape(window[field], (-1,)).astype(dtype)
-                     for field, place in self.places.items() if place[0] == vector]
-            carried[vector] = jnp.concatenate(parts) if parts else jnp.zeros((0,), dtype)
+            carried[vector] = jnp.concatenate([
+                jnp.reshape(window[field], (-1,)).astype(dtype)
+                for field, place in self.places.items() if place[0] == vector
+            ])
         return carried
 
     def named(self) -> dict:
@@ -183,15 +195,12 @@ class Field:
     def __init__(self, state: AccumulationState, name: str):
         self.state = state
         self.name = name
-        self.vector, self.start, self.shape, self.dtype = state.places[name]
-
-    def _slice(self):
-        return slice(self.start, self.start + (self.shape[0] if self.shape else 1))
+        self.vector, _, self.shape, self.dtype = state.places[name]
 
     @property
     def value(self):
-        value = getattr(self.state, self.vector).value[self._slice()]
-        return (value if self.shape else value[0]).astype(self.dtype)
+        state = self.state
+        return state.read({self.vector: getattr(state, self.vector).value}, self.name)
 
     def numpy(self):
         return np.asarray(self.value)
@@ -199,7 +208,9 @@ class Field:
     def assign(self, value) -> None:
         variable = getattr(self.state, self.vector)
         packed = np.array(variable.numpy())
-        packed[self._slice()] = np.reshape(np.asarray(value), (-1,)).astype(packed.dtype)
+        packed[self.state.span(self.name)] = np.reshape(np.asarray(value), (-1,)).astype(
+            packed.dtype
+        )
         variable.assign(packed)
 
 
