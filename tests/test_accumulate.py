@@ -501,3 +501,72 @@ def test_train_on_batch_after_an_interrupted_fit_closes_windows_by_their_rule_on
         reference.train_on_batch(x[start:start + 16], y[start:start + 16])
     assert int(model.optimizer.iterations) == 4
     assert_weights_close(model, reference)
+
+
+class _BatchLogs(keras.callbacks.Callback):
+    """Each batch's logs, and the model's metrics read after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.logs, self.metrics = [], []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.logs.append(dict(logs))
+        self.metrics.append({k: float(v) for k, v in self.model.get_metrics_result().items()})
+
+
+def test_each_batchs_logs_are_the_steps_values_under_their_names():
+    # On one device the step's scalar logs leave the compiled call in one vector with
+    # gradaccum's entries: callbacks see each batch's loss and metrics as Keras
+    # computed them, and at steps=1 the same losses as plain Keras.
+    x, y = data(24)
+    logged = _BatchLogs()
+    model = gradaccum.accumulate(seeded(Plain()), steps=2)
+    model.compile(keras.optimizers.Adam(0.05), SCE, metrics=["accuracy"],
+                  steps_per_execution=1)
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[logged])
+    for logs, metrics in zip(logged.logs, logged.metrics):
+        assert {k: logs[k] for k in metrics} == metrics
+    assert [logs["updates"] for logs in logged.logs] == [0.0, 1.0, 1.0, 2.0, 2.0, 3.0]
+    assert all(logs["window_micro_batches"] in (0.0, 2.0) for logs in logged.logs)
+
+    plain_logged, single_logged = _BatchLogs(), _BatchLogs()
+    plain = seeded(Plain())
+    single = gradaccum.accumulate(seeded(Plain()), steps=1)
+    for model, callback in ((plain, plain_logged), (single, single_logged)):
+        model.compile(keras.optimizers.Adam(0.05), SCE, metrics=["accuracy"],
+                      steps_per_execution=1)
+        model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[callback])
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose([logs[key] for logs in single_logged.logs],
+                                   [logs[key] for logs in plain_logged.logs], rtol=1e-6)
+
+
+class OddLogs(Plain):
+    """A step whose logs hold entries that do not travel packed."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return {"loss": loss, "per_class": tf.constant([1.0, 2.0]),
+                "count": tf.constant(3, tf.int64), "a,b": tf.constant(0.5),
+                "wide": tf.constant(0.25, tf.float64)}
+
+
+def test_a_steps_other_log_entries_reach_the_callbacks_as_they_are():
+    x, y = data(8)
+    logged = _BatchLogs()
+    model = gradaccum.accumulate(seeded(OddLogs()), steps=2)
+    model.compile(keras.optimizers.SGD(0.1), SCE, steps_per_execution=1)
+    history = model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0,
+                        callbacks=[logged])
+    for logs in logged.logs:
+        np.testing.assert_array_equal(logs["per_class"], [1.0, 2.0])
+        assert (logs["count"], logs["a,b"], logs["wide"]) == (3.0, 0.5, 0.25)
+        assert np.isfinite(logs["loss"])
+    assert [logs["updates"] for logs in logged.logs] == [0.0, 1.0]
+    assert history.history["a,b"] == [0.5]

@@ -4,11 +4,13 @@ window held), `skipped` (micro-batches skipped for a non-finite gradient) and, w
 `micro_batch_size="auto"`, the size the search settled on.
 
 `with_counters` reads them inside the compiled step (no host round trip per batch)
-and packs them into one entry: each entry of a step's logs is an element of the
-structure Keras's trainer unwraps from a `tf.data` Optional after every call, about
-40 us apiece on a CPU, which showed at one micro-batch per call. `unpacking` (around
-the train function) and `unpacked` (the hook, for logs that reach it packed) give them
-their names back; `write` writes the epoch's after its end-of-data window closed.
+and packs them into one entry, with the step's own scalar logs on one device (the loss,
+the metrics): each entry of a step's logs is an output of the compiled call that
+Keras's trainer unwraps from a `tf.data` Optional after every call, tens of
+microseconds apiece on a CPU, which showed at one micro-batch per call. `unpacking`
+(around the train function) and `unpacked` (the hook, for logs that reach it packed)
+give them their names back, as the Python floats Keras hands its callbacks; `write`
+writes the epoch's after its end-of-data window closed.
 """
 
 from __future__ import annotations
@@ -112,13 +114,32 @@ def write(accumulation, logs) -> None:
         logs["epsilon"] = spent(accumulation)
 
 
+def _packable(key, value) -> bool:
+    """Whether a step's log entry can travel in the packed vector: a float32 scalar
+    under a name the packed key can carry."""
+    return (
+        isinstance(key, str)
+        and "," not in key
+        and not key.startswith(PACKED)
+        and tf.is_tensor(value)
+        and value.dtype == tf.float32
+        and value.shape.rank == 0
+    )
+
+
 def with_counters(accumulation, logs):
     """The step's `logs` with the entries, read in the compiled step and packed into
-    one float32 vector (`PACKED` and their names)."""
+    one float32 vector (`PACKED` and their names). On one device the step's float32
+    scalar logs join the vector (exactly: they are float32 already): the compiled
+    call then returns one entry instead of one per log. Under several replicas
+    Keras reduces each entry across them, and the logs stay as the step gave them."""
     if not isinstance(logs, dict):
         return logs
     logs = dict(logs)
     counters = {}
+    if accumulation.host.distribute_strategy.num_replicas_in_sync == 1:
+        counters = {key: logs.pop(key) for key, value in list(logs.items())
+                    if _packable(key, value)}
     optimizer = updating_optimizer(accumulation)
     if optimizer is not None:
         counters["updates"] = tf.cast(optimizer.iterations, tf.float32)
