@@ -14,9 +14,12 @@ called directly on one batch:
 - TensorFlow: the train function `fit` made, called on an iterator of the data
   (one micro-batch per call).
 
-Printed: microseconds a call, the best of `--rounds` rounds of `--calls` calls, the
-contenders interleaved round by round; on JAX also the number of arrays the step
-carries. Nothing is asserted.
+Printed: microseconds a call (the best and the median of `--rounds` rounds of
+`--calls` calls, the contenders interleaved round by round, the order rotating), and
+each contender's speed against plain fit as the median of the per-round ratios with
+their interquartile range (neighbours in time, so a drift of the machine cancels:
+on a shared machine whose speed swings, read the ratios, not the times); on JAX also
+the number of arrays the step carries. Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import statistics
 import sys
 import time
 
@@ -87,8 +91,8 @@ def main(argv=None):
     parser.add_argument("--workload", default="mlp", choices=("mlp", "cnn", "transformer"))
     parser.add_argument("-b", type=int, default=8, help="micro-batch size")
     parser.add_argument("-k", type=int, default=4, help="micro-batches per window")
-    parser.add_argument("--calls", type=int, default=300)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=40)
     args = parser.parse_args(argv)
     backend = keras.backend.backend()
     x, y = workloads.data(args.workload, max(256, 4 * args.b))
@@ -100,19 +104,23 @@ def main(argv=None):
         call, arrays = make(model, x, y, args.b)
         call(max(1, args.calls // 10))
         callers[name] = (call, arrays)
-    best = dict.fromkeys(names, float("inf"))
-    for _ in range(args.rounds):
-        for name, (call, _) in callers.items():
+    times = {name: [] for name in names}
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
             start = time.perf_counter()
-            call(args.calls)
-            best[name] = min(best[name], (time.perf_counter() - start) / args.calls)
-    print(f"{backend}, {args.workload}, b={args.b}, k={args.k}: best of {args.rounds} x "
+            callers[name][0](args.calls)
+            times[name].append((time.perf_counter() - start) / args.calls)
+    print(f"{backend}, {args.workload}, b={args.b}, k={args.k}: {args.rounds} rounds x "
           f"{args.calls} calls")
     for name in names:
         arrays = callers[name][1]
         carried = "" if arrays is None else f"  ({arrays} arrays carried)"
-        print(f"  {name:11s} {best[name] * 1e6:9.1f} us a call  "
-              f"{best[name] / best['plain']:.2f}x plain{carried}")
+        speed = sorted(p / t for p, t in zip(times["plain"], times[name]))
+        q = len(speed) // 4
+        print(f"  {name:11s} best {min(times[name]) * 1e6:9.1f} us, median "
+              f"{statistics.median(times[name]) * 1e6:9.1f} us a call;  speed / plain "
+              f"{statistics.median(speed):.3f} (IQR {speed[q]:.3f}-{speed[-q - 1]:.3f})"
+              f"{carried}")
 
 
 if __name__ == "__main__":
