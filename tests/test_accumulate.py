@@ -554,7 +554,8 @@ class OddLogs(Plain):
         self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
         return {"loss": loss, "per_class": tf.constant([1.0, 2.0]),
                 "count": tf.constant(3, tf.int64), "a,b": tf.constant(0.5),
-                "wide": tf.constant(0.25, tf.float64)}
+                "wide": tf.constant(0.25, tf.float64),
+                "learning_rate": self.optimizer.learning_rate}
 
 
 def test_a_steps_other_log_entries_reach_the_callbacks_as_they_are():
@@ -567,6 +568,34 @@ def test_a_steps_other_log_entries_reach_the_callbacks_as_they_are():
     for logs in logged.logs:
         np.testing.assert_array_equal(logs["per_class"], [1.0, 2.0])
         assert (logs["count"], logs["a,b"], logs["wide"]) == (3.0, 0.5, 0.25)
+        assert logs["learning_rate"] == float(np.float32(0.1))
         assert np.isfinite(logs["loss"])
     assert [logs["updates"] for logs in logged.logs] == [0.0, 1.0]
     assert history.history["a,b"] == [0.5]
+
+
+class SortedMetrics(Plain):
+    """Returns its metrics in another order than the model's metrics list."""
+
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        return dict(sorted(super().compute_metrics(x, y, y_pred, sample_weight).items()))
+
+
+def test_backup_and_restore_takes_a_step_whose_logs_come_in_another_order(tmp_path):
+    # Under BackupAndRestore the step's logs and the model's metrics (what a skipped
+    # micro-batch returns) are two branches of one cond: they travel packed alike
+    # whatever the order of the step's entries.
+    x, y = data(16)
+    models = []
+    for cls, callbacks in ((SortedMetrics, [keras.callbacks.BackupAndRestore(
+            str(tmp_path / "backup"))]), (Plain, [])):
+        model = gradaccum.accumulate(seeded(cls()), steps=2)
+        model.compile(keras.optimizers.Adam(0.05), SCE, metrics=["accuracy"],
+                      steps_per_execution=1)
+        history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0,
+                            callbacks=callbacks)
+        models.append((model, history.history))
+    (ordered, ordered_history), (plain, plain_history) = models
+    assert_weights_close(ordered, plain, rtol=1e-6, atol=1e-7)
+    for key in ("loss", "accuracy", "updates"):
+        np.testing.assert_allclose(ordered_history[key], plain_history[key], rtol=1e-6)

@@ -4,10 +4,11 @@ window held), `skipped` (micro-batches skipped for a non-finite gradient) and, w
 `micro_batch_size="auto"`, the size the search settled on.
 
 `with_counters` reads them inside the compiled step (no host round trip per batch)
-and packs them into one entry, with the step's own scalar logs on one device (the loss,
-the metrics): each entry of a step's logs is an output of the compiled call that
-Keras's trainer unwraps from a `tf.data` Optional after every call, tens of
-microseconds apiece on a CPU, which showed at one micro-batch per call. `unpacking`
+and packs them into one entry, with the step's own float32 scalar logs on one device
+(the loss, the metrics, a float32 variable logged): each entry of a step's logs is an
+output of the compiled call that Keras's trainer unwraps from a `tf.data` Optional
+after every call, tens of microseconds apiece on a CPU, which showed at one
+micro-batch per call. `unpacking`
 (around the train function) and `unpacked` (the hook, for logs that reach it packed)
 give them their names back, as the Python floats Keras hands its callbacks; `write`
 writes the epoch's after its end-of-data window closed.
@@ -114,17 +115,14 @@ def write(accumulation, logs) -> None:
         logs["epsilon"] = spent(accumulation)
 
 
-def _packable(key, value) -> bool:
-    """Whether a step's log entry can travel in the packed vector: a float32 scalar
-    under a name the packed key can carry."""
-    return (
-        isinstance(key, str)
-        and "," not in key
-        and not key.startswith(PACKED)
-        and tf.is_tensor(value)
-        and value.dtype == tf.float32
-        and value.shape.rank == 0
-    )
+def _packable(key, value):
+    """A step's log entry as the tensor that travels in the packed vector (a float32
+    scalar, a variable read, under a name the packed key can carry), or None."""
+    if not (isinstance(key, str) and "," not in key and not key.startswith(PACKED)
+            and tf.is_tensor(value)):
+        return None
+    value = tf.convert_to_tensor(value)
+    return value if value.dtype == tf.float32 and value.shape.rank == 0 else None
 
 
 def with_counters(accumulation, logs):
@@ -138,8 +136,14 @@ def with_counters(accumulation, logs):
     logs = dict(logs)
     counters = {}
     if accumulation.host.distribute_strategy.num_replicas_in_sync == 1:
-        counters = {key: logs.pop(key) for key, value in list(logs.items())
-                    if _packable(key, value)}
+        # In the order of their names: the packed key is the same for logs that hold
+        # the same entries in another order (resuming's skip branch returns the
+        # model's metrics, whose structure must match the step's).
+        for key in sorted(k for k in logs if isinstance(k, str)):
+            value = _packable(key, logs[key])
+            if value is not None:
+                counters[key] = value
+                del logs[key]
     optimizer = updating_optimizer(accumulation)
     if optimizer is not None:
         counters["updates"] = tf.cast(optimizer.iterations, tf.float32)
