@@ -8,10 +8,10 @@ and packs them into one entry, with the step's own float32 scalar logs on one de
 (the loss, the metrics, a float32 variable logged): each entry of a step's logs is an
 output of the compiled call that Keras's trainer unwraps from a `tf.data` Optional
 after every call, tens of microseconds apiece on a CPU, which showed at one
-micro-batch per call. `unpacking`
-(around the train function) and `unpacked` (the hook, for logs that reach it packed)
-give them their names back, as the Python floats Keras hands its callbacks; `write`
-writes the epoch's after its end-of-data window closed.
+micro-batch per call. `unpacking` (around the train function) and `unpacked` (the
+hook, for logs that reach it packed) give them their names back, as the Python floats
+Keras hands its callbacks; `write` writes the epoch's after its end-of-data window
+closed.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def with_counters(accumulation, logs):
     if not isinstance(logs, dict):
         return logs
     logs = dict(logs)
-    counters = {}
+    packed = {}
     if accumulation.host.distribute_strategy.num_replicas_in_sync == 1:
         # In the order of their names: the packed key is the same for logs that hold
         # the same entries in another order (resuming's skip branch returns the
@@ -142,17 +142,17 @@ def with_counters(accumulation, logs):
         for key in sorted(k for k in logs if isinstance(k, str)):
             value = _packable(key, logs[key])
             if value is not None:
-                counters[key] = value
+                packed[key] = value
                 del logs[key]
     optimizer = updating_optimizer(accumulation)
     if optimizer is not None:
-        counters["updates"] = tf.cast(optimizer.iterations, tf.float32)
-    counters.update(
+        packed["updates"] = tf.cast(optimizer.iterations, tf.float32)
+    packed.update(
         {key: tf.cast(value, tf.float32) for key, value in last_window(accumulation).items()}
     )
     if skips_possible(accumulation):
         counts = [tf.cast(acc.skipped, tf.float32) for acc in accumulation.state.accumulators()]
-        counters["skipped"] = tf.add_n(counts) if counts else tf.constant(0.0)
-    if counters:
-        logs[PACKED + ",".join(counters)] = tf.stack(list(counters.values()))
+        packed["skipped"] = tf.add_n(counts) if counts else tf.constant(0.0)
+    if packed:
+        logs[PACKED + ",".join(packed)] = tf.stack(list(packed.values()))
     return logs
