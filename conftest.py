@@ -26,6 +26,16 @@ def _tiers():
 TIERS = _tiers()
 
 
+def pytest_ignore_collect(collection_path, config):
+    """The JAX adapter's examples set Keras's JAX backend: their doctests run in the
+    JAX process (tests/jax_backend/test_jax_docs.py)."""
+    if os.environ.get("KERAS_BACKEND") != "jax":
+        parts = pathlib.Path(str(collection_path)).parts
+        if "backends" in parts and "jax" in parts and "gradaccum" in parts:
+            return True
+    return None
+
+
 def pytest_configure(config):
     """Two logical CPU devices for the tf.distribute tests, before TensorFlow starts
     (not in the JAX process: KERAS_BACKEND=jax, tests/jax_backend)."""

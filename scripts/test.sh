@@ -3,7 +3,7 @@
 # KerasHub and the test tools, then runs ruff and pytest on each of Keras's backends
 # gradaccum supports, one process per backend (Keras fixes its backend per process), each
 # in two worker processes (pytest-xdist): TensorFlow runs tests/ and the doctests of
-# src/gradaccum, JAX runs tests/jax_backend.
+# src/gradaccum, JAX runs tests/jax_backend; both run tests/contract.
 #
 #   bash scripts/test.sh          the whole suite; each backend's run ends with its 15
 #                                 slowest tests (CI)
@@ -35,7 +35,8 @@ for backend in ${GRADACCUM_BACKENDS:-tensorflow jax}; do
   paths=()
   workers="${GRADACCUM_TEST_WORKERS:-2}"
   if [ "$backend" = "jax" ]; then
-    paths=(tests/jax_backend)
+    # Its own tests, and the contract tests every backend runs (tests/contract).
+    paths=(tests/jax_backend tests/contract)
   fi
   KERAS_BACKEND="$backend" python -m pytest -n "$workers" "${tier[@]}" \
     ${paths[@]+"${paths[@]}"} ${args[@]+"${args[@]}"} || status=$?

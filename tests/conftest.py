@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -17,6 +18,8 @@ if keras.backend.backend() != "jax":  # the JAX process (tests/jax_backend) need
 import tiers  # noqa: E402
 
 TESTS = pathlib.Path(__file__).resolve().parent
+# The large-batch references every backend's tests share (tests/contract/largebatch.py).
+sys.path.insert(0, str(TESTS / "contract"))
 
 # tests/jax_backend runs in a process of its own with KERAS_BACKEND=jax (scripts/test.sh).
 collect_ignore = ["jax_backend"] if keras.backend.backend() != "jax" else []

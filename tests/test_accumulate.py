@@ -189,6 +189,76 @@ def test_two_optimizers_each_update_once_per_window():
     assert any(o is model.opt_a for o in owners) and any(o is model.opt_b for o in owners)
 
 
+class DCGANOrder(TwoOptimizers):
+    """keras.io's DCGAN order: the step applies `opt_a`, then differentiates
+    `net_b`'s loss through `net_a`'s new weights."""
+
+    def losses(self, x, y):
+        target = keras.ops.cast(keras.ops.expand_dims(y, -1), "float32")
+        logits = self.net_a(x, training=True)
+        judged = self.net_b(keras.ops.softmax(logits), training=True)
+        loss_a = keras.ops.mean(
+            keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
+        ) + 0.1 * keras.ops.mean(keras.ops.square(judged))
+        return loss_a, keras.ops.mean(keras.ops.square(judged - target))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss_a = self.losses(x, y)[0]
+        grads_a = tape.gradient(loss_a, self.net_a.trainable_variables)
+        self.opt_a.apply_gradients(zip(grads_a, self.net_a.trainable_variables))
+        with tf.GradientTape() as tape:
+            loss_b = self.losses(x, y)[1]
+        grads_b = tape.gradient(loss_b, self.net_b.trainable_variables)
+        self.opt_b.apply_gradients(zip(grads_b, self.net_b.trainable_variables))
+        return {"loss_a": loss_a, "loss_b": loss_b}
+
+
+def _dcgan(steps=None):
+    model = seeded(DCGANOrder())
+    if steps is not None:
+        gradaccum.accumulate(model, steps=steps)
+    model.compile(keras.optimizers.Adam(0.05), keras.optimizers.SGD(0.2, momentum=0.5))
+    return model
+
+
+def test_at_steps_1_a_step_in_the_dcgan_order_is_plain_keras():
+    x, y = data(24)
+    model = _dcgan(steps=1)
+    model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    reference = _dcgan()
+    reference.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    assert max_gap(model, seeded(DCGANOrder())) > 1e-2
+    assert_weights_close(model, reference, rtol=1e-5)
+
+
+def test_a_due_window_lands_where_the_step_applies_it():
+    # Windows of 3 micro-batches of 4: net_a's update is the window's mean gradient
+    # at the window's first weights; net_b's takes its last micro-batch's gradient
+    # after net_a's update (the window is due there), the others' before it.
+    x, y = data(24)
+    model = _dcgan(steps=3)
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    reference = _dcgan()
+
+    def gradient(index, variables, part):
+        with tf.GradientTape() as tape:
+            loss = reference.losses(*part)[index]
+        return tape.gradient(loss, variables)
+
+    net_a, net_b = reference.net_a.trainable_variables, reference.net_b.trainable_variables
+    for window in (range(0, 12, 4), range(12, 24, 4)):
+        parts = [(x[s:s + 4], y[s:s + 4]) for s in window]
+        mean_a = [sum(g) / 3 for g in zip(*[gradient(0, net_a, p) for p in parts])]
+        before = [gradient(1, net_b, p) for p in parts[:2]]
+        reference.opt_a.apply_gradients(zip(mean_a, net_a))
+        after = gradient(1, net_b, parts[2])
+        mean_b = [sum(g) / 3 for g in zip(*before, after)]
+        reference.opt_b.apply_gradients(zip(mean_b, net_b))
+    assert_weights_close(model, reference, rtol=1e-5)
+
+
 class TwoOptimizersBatchNorm(TwoOptimizers):
     """TwoOptimizers whose first network starts with gradaccum's window-aware
     BatchNormalization (its scale and offset trained by `opt_a`)."""

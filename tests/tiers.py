@@ -94,16 +94,22 @@ FEATURES = {
         "test_cli.py::test_train_short_run_output_format_and_json",
     "property-based windows against the large batch (few examples with --fast)":
         "test_properties.py::test_accumulator_equals_the_large_batch",
-    # The JAX suite (tests/jax, its own process with KERAS_BACKEND=jax).
-    "JAX: accumulate, unequal micro-batches, several optimizers":
-        "jax_backend/test_jax_accumulate.py::test_unequal_micro_batches_equal_one_step_on_each_window",
-    "JAX: masks and sample weights":
-        "jax_backend/test_jax_accumulate.py::"
+    # The contract every backend runs (tests/contract: in the TensorFlow process and
+    # in the JAX process).
+    "every backend: accumulate, unequal micro-batches, several optimizers":
+        "contract/test_fit.py::test_unequal_micro_batches_equal_one_step_on_each_window",
+    "every backend: masks and sample weights":
+        "contract/test_fit.py::"
         "test_masked_sequences_of_unequal_length_with_sample_weights_are_exact",
-    "JAX: schedules":
-        "jax_backend/test_jax_accumulate.py::test_a_schedule_of_steps_by_update_index",
-    "JAX: resuming inside a window":
-        "jax_backend/test_jax_accumulate.py::test_save_weights_in_the_middle_of_a_window_resumes_exactly",
+    "every backend: schedules":
+        "contract/test_fit.py::test_a_schedule_of_steps_by_update_index",
+    "every backend: resuming inside a window":
+        "contract/test_fit.py::test_save_weights_in_the_middle_of_a_window_resumes_exactly",
+    "every backend: the state machine, transition by transition":
+        "contract/test_transitions.py::test_a_window_of_three_applies_the_weighted_mean_once_and_resets",
+    # The JAX suite (tests/jax_backend, its own process with KERAS_BACKEND=jax).
+    "JAX: a due window lands where a model's own step applies it":
+        "jax_backend/test_jax_own_step.py::test_at_steps_1_a_step_in_the_dcgan_order_is_plain_keras",
     "JAX: split mode":
         "jax_backend/test_jax_split.py::"
         "test_batches_of_40_split_equal_plain_fit_at_40_with_adam_for_3_epochs[16]",
@@ -164,27 +170,27 @@ SLOW = [
     "jax_backend/test_jax_audit.py::test_mixed_precision_is_measured_against_its_own_rounding",
     "jax_backend/test_jax_audit.py::test_a_skipped_micro_batch_is_named",
     # steps=1 against plain Keras with every optimizer (the skip stays fast).
-    "jax_backend/test_jax_accumulate.py::test_steps_1_is_plain_keras_training",
+    "contract/test_fit.py::test_steps_1_is_plain_keras_training",
     # The JAX adapter's other options (each compiles its own step: seconds apiece); its
     # fast tier keeps FEATURES' JAX rows, the partial window, the budget, the skip, the
     # bad inputs and the README's JAX code.
-    "jax_backend/test_jax_accumulate.py::test_keras_gradient_accumulation_steps_is_not_exact_here",
-    "jax_backend/test_jax_accumulate.py::test_carry_keeps_the_window_open_across_epochs",
-    "jax_backend/test_jax_accumulate.py::test_sample_weights_and_class_weights_are_exact",
-    "jax_backend/test_jax_accumulate.py::test_uniform_callable_weighting_and_sum_reduction",
+    "contract/test_fit.py::test_keras_gradient_accumulation_steps_is_not_exact_here",
+    "contract/test_fit.py::test_carry_keeps_the_window_open_across_epochs",
+    "contract/test_fit.py::test_sample_weights_and_class_weights_are_exact",
+    "contract/test_fit.py::test_uniform_callable_weighting_and_sum_reduction",
     "jax_backend/test_jax_accumulate.py::test_nonfinite_raise_stops_fit_naming_the_micro_batch",
-    "jax_backend/test_jax_accumulate.py::test_nonfinite_callable_skips_what_it_says",
-    "jax_backend/test_jax_accumulate.py::test_steps_per_execution_and_no_jit",
-    "jax_backend/test_jax_accumulate.py::test_lr_schedule_counts_updates",
-    "jax_backend/test_jax_accumulate.py::test_a_model_with_its_own_compute_loss",
-    "jax_backend/test_jax_accumulate.py::test_backup_and_restore_resumes_inside_an_epoch",
-    "jax_backend/test_jax_accumulate.py::test_disable_restores_plain_keras_training",
-    "jax_backend/test_jax_accumulate.py::test_model_save_writes_plain_keras",
-    "jax_backend/test_jax_accumulate.py::test_train_on_batch_after_fit_keeps_the_window_rule",
+    "contract/test_fit.py::test_nonfinite_callable_skips_what_it_says",
+    "contract/test_fit.py::test_steps_per_execution_and_no_jit",
+    "contract/test_fit.py::test_lr_schedule_counts_updates",
+    "contract/test_fit.py::test_a_model_with_its_own_compute_loss",
+    "contract/test_fit.py::test_backup_and_restore_resumes_inside_an_epoch",
+    "contract/test_fit.py::test_disable_restores_plain_keras_training",
+    "contract/test_fit.py::test_model_save_writes_plain_keras",
+    "contract/test_fit.py::test_train_on_batch_after_fit_keeps_the_window_rule",
     "jax_backend/test_jax_accumulate.py::test_train_on_batch_raises_what_fit_raises",
-    "jax_backend/test_jax_accumulate.py::"
+    "contract/test_fit.py::"
     "test_a_compile_that_freezes_a_layer_keeps_each_variables_window",
-    "jax_backend/test_jax_accumulate.py::"
+    "contract/test_fit.py::"
     "test_save_weights_after_a_recompile_keeps_the_open_window",
     "jax_backend/test_jax_split.py::"
     "test_batches_of_40_split_equal_plain_fit_at_40_with_adam_for_3_epochs[7]",

@@ -13,15 +13,15 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from gradaccum import _tf
+from gradaccum import _backend
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
     "GradientAccumulator": "gradaccum.backends.tensorflow.accumulator",
     "AccumulatingModel": "gradaccum.keras_model",
-    "BatchNormalization": "gradaccum.batch_norm",
-    "convert_batch_normalization": "gradaccum.batch_norm",
+    "BatchNormalization": "gradaccum.backends.tensorflow.batch_norm",
+    "convert_batch_normalization": "gradaccum.backends.tensorflow.batch_norm",
     "CountingCrossDeviceOps": "gradaccum.backends.tensorflow.communication",
     "wrap": "gradaccum.keras_model",
     "accumulate": "gradaccum.attach",
@@ -29,7 +29,7 @@ _EXPORTS = {
     "audit": "gradaccum.auditing",
     "AuditReport": "gradaccum.auditing",
     "Privacy": "gradaccum.core.privacy",
-    "privacy_spent": "gradaccum.core.privacy",
+    "privacy_spent": "gradaccum.privacy",
 }
 
 __all__ = [
@@ -52,10 +52,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from gradaccum.attach import accumulate, disable
     from gradaccum.auditing import AuditReport, audit
     from gradaccum.backends.tensorflow.accumulator import GradientAccumulator
+    from gradaccum.backends.tensorflow.batch_norm import (
+        BatchNormalization,
+        convert_batch_normalization,
+    )
     from gradaccum.backends.tensorflow.communication import CountingCrossDeviceOps
-    from gradaccum.batch_norm import BatchNormalization, convert_batch_normalization
-    from gradaccum.core.privacy import Privacy, privacy_spent
+    from gradaccum.core.privacy import Privacy
     from gradaccum.keras_model import AccumulatingModel, wrap
+    from gradaccum.privacy import privacy_spent
 
 
 def __getattr__(name: str):
@@ -64,8 +68,11 @@ def __getattr__(name: str):
         # backend is TensorFlow) fails with an error that does not say what to install;
         # under another backend than TensorFlow or JAX, or a TensorFlow-only name on
         # JAX, the error says what runs where.
-        _tf.require_supported_backend(name)
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        backend = _backend.require_supported_backend(name)
+        module = _EXPORTS[name]
+        if isinstance(module, dict):
+            module = module[backend]
+        value = getattr(importlib.import_module(module), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'gradaccum' has no attribute {name!r}")

@@ -16,14 +16,15 @@ import warnings
 import keras
 import numpy as np
 
-from gradaccum import _backend
+from gradaccum import _backend, saving
 from gradaccum import _keras_common as kc
 from gradaccum._validation import check_optimizer
+from gradaccum.adapter import ATTRIBUTE, accumulation_of
+from gradaccum.core.options import documented, given
 from gradaccum.core.privacy import check_model as check_private_model
 from gradaccum.weighting import record_normalizers
 
 # The instance attributes gradaccum sets on an accumulating model.
-_ATTRIBUTE = "_gradaccum_accumulation"
 _OVERRIDES = (
     "compile",
     "fit",
@@ -36,14 +37,9 @@ _OVERRIDES = (
 )
 # Split mode: the micro-batch size in use (the one given, or the one "auto" chose).
 _SIZE = "micro_batch_size"
-SIDECAR = ".gradaccum.npz"
 
 
-def accumulation_of(model):
-    """The accumulation attached to `model` by `accumulate`, or None."""
-    return getattr(model, "__dict__", {}).get(_ATTRIBUTE)
-
-
+@documented
 def accumulate(
     model,
     steps=None,
@@ -99,27 +95,7 @@ def accumulate(
 
     Args:
         model: a `keras.Model`, compiled or not; it is returned.
-        steps: micro-batches per update (k), an integer >= 1; or a schedule of k
-            by update index: sorted `(from_update, k)` pairs starting at 0, or a
-            callable `update_index -> int`, as in `gradaccum.wrap`.
-        weight_per_update: instead of `steps`, a weight budget: a window closes at
-            the first micro-batch after which its total weight (the loss
-            normalizers with `weighting="exact"`: tokens for a per-token loss)
-            reaches it.
-        micro_batch_size: split mode: an integer >= 1, or `"auto"`. Not together
-            with `steps`.
-        max_micro_batch_size: with `"auto"`, the largest micro-batch to try.
-        weighting: `"exact"` (default), `"uniform"` or a callable
-            `(x, y, sample_weight) -> weight`, as in `gradaccum.wrap`.
-        partial: `"flush"` (default), `"carry"` or `"drop"`: what happens to a window
-            the data ends in the middle of.
-        reduction: `"mean"` (default) or `"sum"`.
-        accumulator_dtype: dtype of the accumulators (float32 by default).
-        nonfinite: `"skip"` (default), `"raise"`, `"apply"` or a callable
-            `gradients -> bool`, as in `gradaccum.GradientAccumulator`.
-        privacy: a `gradaccum.Privacy`: differentially private training (DP-SGD),
-            each example's gradient clipped, the noise added once per window (see
-            there). Needs Keras's default train step and the compiled loss.
+        {options}
 
     Returns:
         `model` itself.
@@ -157,17 +133,13 @@ def accumulate(
             f"already. Received: model={model.name!r}, which accumulates already. Call "
             "`gradaccum.disable(model)` first to change its options."
         )
-    backend = _backend.current()
-    options = backend.Options(
-        steps, weighting, partial, reduction, accumulator_dtype, nonfinite,
-        micro_batch_size=micro_batch_size, max_micro_batch_size=max_micro_batch_size,
-        weight_per_update=weight_per_update, privacy=privacy,
-    )
+    adapter = _backend.adapter()
+    options = adapter.Options(**given(locals()))
     if options.privacy is not None:
         check_private_model(model, not kc.uses_default_train_step(model))
     if model.built:
-        backend.check_model(model)
-    accumulation = backend.Accumulation(options, layers=model)
+        adapter.check_model(model)
+    accumulation = adapter(options, layers=model)
     own_step = None if kc.uses_default_train_step(model) else model.train_step
     accumulation.attach(model, own_step)
     _install(model, accumulation)
@@ -225,7 +197,7 @@ def disable(model):
             accumulation.end_of_data()
     user_config = accumulation.user_compile_config
     accumulation.detach()
-    for name in (*_OVERRIDES, _ATTRIBUTE, _SIZE):
+    for name in (*_OVERRIDES, ATTRIBUTE, _SIZE):
         model.__dict__.pop(name, None)
     if user_config is not None:
         config = dict(user_config, optimizer=model.optimizer)
@@ -274,12 +246,12 @@ def _install(model, accumulation) -> None:
         store = {}
         accumulation.save_to(store)
         if store:
-            np.savez(_sidecar(filepath), **store)
+            np.savez(saving.sidecar(filepath), **store)
         return result
 
     def load_weights(filepath, *args, **kwargs):
         result = cls.load_weights(model, filepath, *args, **kwargs)
-        path = _sidecar(filepath)
+        path = saving.sidecar(filepath)
         if os.path.exists(path):
             with np.load(path) as store:
                 accumulation.load_from({key: store[key] for key in store.files})
@@ -294,16 +266,11 @@ def _install(model, accumulation) -> None:
         ("train_on_batch", train_on_batch),
         ("save_weights", save_weights),
         ("load_weights", load_weights),
-        (_ATTRIBUTE, accumulation),
+        (ATTRIBUTE, accumulation),
     ):
         model.__dict__[name] = method
     if accumulation.options.split:
         model.__dict__[_SIZE] = accumulation.micro_batch_size
-
-
-def _sidecar(filepath) -> str:
-    # np.savez appends ".npz" to a name without it.
-    return os.fspath(filepath) + SIDECAR
 
 
 def _recompile(model, accumulation, *, user_config, steps_per_execution_given):

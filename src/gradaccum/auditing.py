@@ -21,6 +21,7 @@ import numpy as np
 
 from gradaccum import _keras_common as kc
 from gradaccum._validation import check_choice, check_steps
+from gradaccum.adapter import accumulation_of
 
 # Relative differences up to this are float32 noise (sums in another order); a
 # model computing in float16 or bfloat16 (mixed precision) has that dtype's noise.
@@ -142,7 +143,7 @@ def audit(model, x, y=None, *, steps, batch_size, sample_weight=None,
     >>> report.causes[0].startswith("Dropout layer")
     True
     """
-    from gradaccum.attach import accumulate, accumulation_of, disable
+    from gradaccum.attach import accumulate, disable
 
     check_model(model)
     steps = check_steps(steps)
@@ -217,7 +218,8 @@ def audit(model, x, y=None, *, steps, batch_size, sample_weight=None,
     inexact = max((row[3] for row in rows), default=0.0) > tolerance
     causes = _causes(model, weighting, sizes, findings, added_losses, inexact)
     between = (bool(findings.get("repeated")) or bool(findings.get("stale"))
-               or len(findings.get("optimizers", [])) > 1)
+               or (len(findings.get("optimizers", [])) > 1
+                   and not findings.get("stale_known", True)))
     return AuditReport(rows, causes, sizes, tolerance=tolerance,
                        updates_between_calls=between)
 
@@ -236,8 +238,6 @@ def _tolerance(model) -> float:
 
 
 def check_model(model) -> None:
-    from gradaccum.attach import accumulation_of
-
     if not isinstance(model, keras.Model):
         raise ValueError(
             "`model` must be a keras.Model. Received: "
@@ -254,7 +254,9 @@ def check_model(model) -> None:
             f"back as it found it). Received: model {model.name!r} that is not built; "
             "give it an Input or call it on a batch first"
         )
-    if accumulation_of(model) is not None:
+    from gradaccum.keras_model import AccumulatingModel
+
+    if accumulation_of(model) is not None and not isinstance(model, AccumulatingModel):
         raise ValueError(
             "`model` must be audited before `gradaccum.accumulate` (the audit runs its "
             f"own accumulation). Received: model {model.name!r} under accumulate; call "
@@ -338,7 +340,7 @@ def _window_gradients(model, micro_batches, options, findings) -> dict:
     that does not close) and returns the window's combined gradient by variable id;
     records the accumulation's own findings (several applications of an optimizer
     per batch, loss terms whose normalizers are not proportional)."""
-    from gradaccum.attach import accumulate, accumulation_of, disable
+    from gradaccum.attach import accumulate, disable
 
     accumulate(model, **options)
     try:
@@ -360,8 +362,8 @@ def _window_gradients(model, micro_batches, options, findings) -> dict:
                 previous = gradients.get(id(variable))
                 gradients[id(variable)] = (gradient if previous is None
                                            else previous + gradient)
-        found = accumulation.audit_findings()
-        findings["skipped"] = findings.get("skipped", 0) + found.pop("skipped", 0)
+        found = accumulation.findings()._asdict()
+        findings["skipped"] = findings.get("skipped", 0) + found.pop("skipped")
         findings.update(found)
     finally:
         with warnings.catch_warnings():
@@ -439,7 +441,7 @@ def _causes(model, weighting, sizes, findings, added_losses, inexact) -> list:
             "update; accumulated, they are taken at the weights the window started from."
         )
     optimizers = findings.get("optimizers", [])
-    if len(optimizers) > 1:
+    if len(optimizers) > 1 and not findings.get("stale_known", True):
         names = ", ".join(f"`self.{name}`" for name in optimizers)
         causes.append(
             f"The model's train_step applies {len(optimizers)} optimizers per batch "

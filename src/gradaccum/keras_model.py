@@ -16,7 +16,8 @@ import keras
 
 from gradaccum import _backend
 from gradaccum._validation import check_optimizer
-from gradaccum.core.privacy import PRIVACY_FIELDS, Privacy
+from gradaccum.adapter import ATTRIBUTE
+from gradaccum.core.options import NAMES, Options, documented, given
 from gradaccum.core.privacy import check_model as check_private_model
 from gradaccum.core.window import PARTIALS  # noqa: F401 (re-exported)
 from gradaccum.weighting import record_normalizers
@@ -80,7 +81,7 @@ class AccumulatingModel(keras.Model):
                 "`convert_batch_norm` must be True or False. "
                 f"Received: convert_batch_norm={convert_batch_norm!r}"
             )
-        backend = _backend.current()
+        adapter = _backend.adapter()
         if convert_batch_norm:
             if keras.backend.backend() != "tensorflow":
                 raise ValueError(
@@ -88,16 +89,12 @@ class AccumulatingModel(keras.Model):
                     f"{keras.backend.backend()!r} backend: gradaccum.BatchNormalization "
                     "runs on TensorFlow. Received: convert_batch_norm=True"
                 )
-            from gradaccum.batch_norm import convert_batch_normalization
+            from gradaccum.backends.tensorflow.batch_norm import convert_batch_normalization
 
             model = convert_batch_normalization(model)
         if model.built:
-            backend.check_model(model)
-        options = backend.Options(
-            steps, weighting, partial, reduction, accumulator_dtype, nonfinite,
-            micro_batch_size=micro_batch_size, max_micro_batch_size=max_micro_batch_size,
-            weight_per_update=weight_per_update, privacy=_deserialized_privacy(privacy),
-        )
+            adapter.check_model(model)
+        options = adapter.Options(**given(locals()))
         if options.privacy is not None:
             # The wrapper's own step and compiled loss train `model`.
             check_private_model(model, own_train_step=False)
@@ -105,21 +102,22 @@ class AccumulatingModel(keras.Model):
         kwargs.setdefault("name", f"gradaccum_{model.name}")
         super().__init__(**kwargs)
         self.model = model
-        self.steps = options.steps
-        self.weight_per_update = options.weight_per_update
-        self.max_micro_batch_size = options.max_micro_batch_size
-        self.weighting = options.weighting
-        self.partial = options.partial
-        self.reduction = options.reduction
-        self.accumulator_dtype = options.accumulator_dtype
-        self.nonfinite = options.nonfinite
-        self.privacy = options.privacy
-        self._accumulation = backend.Accumulation(options, layers=model)
+        # The options as attributes (`micro_batch_size` is the size in use, below).
+        for name in NAMES:
+            if name != "micro_batch_size":
+                setattr(self, name, getattr(options, name))
+        # The accumulation (the backend's adapter), outside Keras's tracking.
+        self.__dict__[ATTRIBUTE] = adapter(options, layers=model)
         self._accumulation.attach(self)
         # The micro-batch size in use (split mode), outside Keras's tracking.
         self.__dict__["micro_batch_size"] = self._accumulation.micro_batch_size
         if model.built:
             self.built = True
+
+    @property
+    def _accumulation(self):
+        """The accumulation that trains the wrapped model (`gradaccum.adapter`)."""
+        return self.__dict__[ATTRIBUTE]
 
     @property
     def _fit_state(self):
@@ -164,18 +162,9 @@ class AccumulatingModel(keras.Model):
     def get_config(self):
         return {
             "model": keras.saving.serialize_keras_object(self.model),
-            "steps": _serialized_steps(self.steps),
-            "weight_per_update": self.weight_per_update,
-            "micro_batch_size": self._accumulation.options.micro_batch_size,
-            "max_micro_batch_size": self.max_micro_batch_size,
-            "weighting": _serialized(self.weighting),
-            "partial": self.partial,
-            "reduction": self.reduction,
-            "accumulator_dtype": self.accumulator_dtype,
+            **self._accumulation.options.config(),
             # The saved model holds the converted layers already.
             "convert_batch_norm": False,
-            "nonfinite": _serialized(self.nonfinite),
-            "privacy": _serialized_privacy(self.privacy),
             "name": self.name,
         }
 
@@ -185,12 +174,9 @@ class AccumulatingModel(keras.Model):
         model = keras.saving.deserialize_keras_object(
             config.pop("model"), custom_objects=custom_objects
         )
-        for option in ("weighting", "nonfinite", "steps"):
-            if isinstance(config.get(option), dict):
-                config[option] = keras.saving.deserialize_keras_object(
-                    config[option], custom_objects=custom_objects
-                )
-        return cls(model, **config)
+        options = Options.from_config(config, custom_objects)
+        rest = {k: v for k, v in config.items() if k not in options}
+        return cls(model, **options, **rest)
 
     def make_train_function(self, force=False):
         return self._accumulation.make_train_function(
@@ -247,33 +233,7 @@ def _warn_if_own_training(model) -> None:
         )
 
 
-def _serialized_privacy(privacy):
-    """A `Privacy` as the dict of its arguments (the seed included: None draws a new
-    one), or None."""
-    if privacy is None:
-        return None
-    return {name: getattr(privacy, name) for name in PRIVACY_FIELDS}
-
-
-def _deserialized_privacy(privacy):
-    return Privacy(**privacy) if isinstance(privacy, dict) else privacy
-
-
-def _serialized(option):
-    """A name as it is, a callable as Keras serializes it."""
-    return option if isinstance(option, str) else keras.saving.serialize_keras_object(option)
-
-
-def _serialized_steps(steps):
-    """An integer or schedule pairs as they are (pairs as lists), a callable as
-    Keras serializes it."""
-    if callable(steps):
-        return keras.saving.serialize_keras_object(steps)
-    if isinstance(steps, tuple):
-        return [list(pair) for pair in steps]
-    return steps
-
-
+@documented
 def wrap(
     model,
     steps=None,
@@ -299,32 +259,7 @@ def wrap(
     Args:
         model: the `keras.Model` to train. The returned model shares its variables:
             after `fit`, `model` holds the trained weights.
-        steps: micro-batches per update (k), an integer >= 1; or a schedule of k
-            by update index (counted from 0, saved with the state): sorted
-            `(from_update, k)` pairs starting at 0, such as `[(0, 1), (2, 2),
-            (4, 4)]`, or a callable `update_index -> int` (it gets an int64 scalar
-            tensor; see `gradaccum.GradientAccumulator`). A window's length is read
-            when it opens.
-        weight_per_update: instead of `steps`, a weight budget: a window closes at
-            the first micro-batch after which its total weight reaches it. With
-            `weighting="exact"` the weight is the loss normalizer, so a per-token
-            loss gets about that many tokens per update.
-        micro_batch_size: instead of `steps`, split mode: each batch of `fit` is cut
-            into micro-batches of at most this many samples inside the step, and
-            makes one update; or `"auto"`, the largest size that runs without an
-            out-of-memory error (see `gradaccum.accumulate`).
-        max_micro_batch_size: with `"auto"`, the largest micro-batch to try.
-        weighting: `"exact"` (default): each micro-batch weighs its loss normalizer
-            (its number of loss elements, unmasked elements, or sample-weight sum),
-            so unequal micro-batches, sample and class weights, masks and unequal
-            sequence lengths give the large-batch gradient. `"uniform"`: the plain
-            mean (as Keras's built-in accumulation). Or a callable
-            `(x, y, sample_weight) -> weight` returning a scalar >= 0.
-        partial: what happens to a window the data ends in the middle of (end of an
-            epoch and of fit): `"flush"` (default) applies it normalized by its own
-            weight, `"carry"` keeps it open into the next epoch, `"drop"` discards it.
-        reduction: `"mean"` (default) or `"sum"` (sum of the micro-batch gradients).
-        accumulator_dtype: dtype of the accumulators (float32 by default).
+        {options}
         convert_batch_norm: if True, train a copy of `model` whose Keras
             `BatchNormalization` layers are `gradaccum.BatchNormalization` (gamma,
             beta and moving statistics carried over; see
@@ -332,13 +267,6 @@ def wrap(
             once per update from the window's statistics. `trainer.model` is that
             copy, and `model` is left untouched. Without it, layers that already are
             `gradaccum.BatchNormalization` are driven by the accumulator anyway.
-        nonfinite: a micro-batch whose gradient holds an inf or a nan is
-            `"skip"`ped (default: dropped with its weight, counted in the logs'
-            `skipped`, a warning once), makes fit `"raise"` an error naming it, or
-            is `"apply"`ed as Keras would.
-        privacy: a `gradaccum.Privacy`: differentially private training (DP-SGD),
-            each example's gradient clipped, the noise added once per window (see
-            there).
 
     Mixed precision: under the `mixed_float16` policy Keras wraps the optimizer in a
     `LossScaleOptimizer`; a micro-batch whose gradient is not finite is then skipped
@@ -369,17 +297,5 @@ def wrap(
     >>> int(trainer.optimizer.iterations)
     8
     """
-    return AccumulatingModel(
-        model,
-        steps=steps,
-        micro_batch_size=micro_batch_size,
-        max_micro_batch_size=max_micro_batch_size,
-        weighting=weighting,
-        partial=partial,
-        reduction=reduction,
-        accumulator_dtype=accumulator_dtype,
-        convert_batch_norm=convert_batch_norm,
-        nonfinite=nonfinite,
-        weight_per_update=weight_per_update,
-        privacy=privacy,
-    )
+    return AccumulatingModel(model, convert_batch_norm=convert_batch_norm,
+                             **given(locals()))

@@ -75,10 +75,24 @@ class NormalizerLog:
 
     def __init__(self):
         self.values: list = []
+        self.last: list = []
 
     def take(self) -> list:
         values, self.values = self.values, []
         return values
+
+    def start(self) -> None:
+        """A micro-batch of a model's own step starts: nothing recorded yet."""
+        self.values, self.last = [], []
+
+    def since_last_call(self) -> list:
+        """For one optimizer call of a model's own step: the normalizers recorded
+        since the previous call, or the previous call's where none was (the step
+        computed its loss once for several optimizers)."""
+        values = self.take()
+        if values:
+            self.last = values
+        return self.last
 
 
 @keras.saving.register_keras_serializable(package="gradaccum")

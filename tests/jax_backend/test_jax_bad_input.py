@@ -7,7 +7,7 @@ import re
 import keras
 import numpy as np
 import pytest
-from helpers import SCE, data, mlp
+from largebatch import SCE, data, mlp
 
 import gradaccum
 

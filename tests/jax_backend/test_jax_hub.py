@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import keras
 import numpy as np
-from helpers import assert_weights_close, max_gap
+from largebatch import assert_weights_close, max_gap
 
 import gradaccum
 import hub_models

@@ -7,7 +7,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-from helpers import SCE, assert_weights_close, data, reference_fit, windows_of
+from largebatch import SCE, assert_weights_close, data, reference_fit, windows_of
 
 import gradaccum
 

@@ -11,7 +11,7 @@ import jax
 import keras
 import numpy as np
 import pytest
-from helpers import (
+from largebatch import (
     SCE,
     assert_optimizer_close,
     assert_weights_close,
@@ -347,6 +347,82 @@ def test_a_gan_s_two_optimizers_each_update_once_per_window(source):
     assert int(model.optimizer.iterations) == 0
     assert history.history["updates"][-1] == updates
     assert {"loss_a", "loss_b"} <= set(history.history)
+
+class DCGANOrder(TwoOptimizers):
+    """keras.io's DCGAN order: the step applies `opt_a`, then differentiates
+    `net_b`'s loss through `net_a`'s new weights (what `stateless_apply` returned)."""
+
+    def train_step(self, state, data):
+        trainable, non_trainable, optimizer_variables, metrics_variables = state
+        x, y = data
+        n_a, n_opt_a = len(self.net_a.trainable_variables), len(self.opt_a.variables)
+        trainable_a, trainable_b = trainable[:n_a], trainable[n_a:]
+        loss_a, grads_a = jax.value_and_grad(
+            lambda t: self.losses_of(t, trainable_b, x, y)[0])(trainable_a)
+        trainable_a, opt_a = self.opt_a.stateless_apply(
+            optimizer_variables[:n_opt_a], grads_a, trainable_a)
+        loss_b, grads_b = jax.value_and_grad(
+            lambda t: self.losses_of(trainable_a, t, x, y)[1])(trainable_b)
+        trainable_b, opt_b = self.opt_b.stateless_apply(
+            optimizer_variables[n_opt_a:], grads_b, trainable_b)
+        return ({"loss_a": loss_a, "loss_b": loss_b},
+                (list(trainable_a) + list(trainable_b), non_trainable,
+                 list(opt_a) + list(opt_b), metrics_variables))
+
+
+def _dcgan(accumulated=None):
+    model = make(DCGANOrder)
+    if accumulated is not None:
+        gradaccum.accumulate(model, **accumulated)
+    model.compile(keras.optimizers.Adam(0.05), keras.optimizers.SGD(0.2, momentum=0.5))
+    return model
+
+
+def test_at_steps_1_a_step_in_the_dcgan_order_is_plain_keras():
+    # The update lands inside `stateless_apply`: the second gradient sees it.
+    x, y = data(24)
+    model = _dcgan(dict(steps=1))
+    model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    reference = _dcgan()
+    reference.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    assert max_gap(model, make(DCGANOrder)) > 1e-2
+    assert_weights_close(model, reference)
+    assert_optimizer_close(model.opt_a, reference.opt_a)
+    assert_optimizer_close(model.opt_b, reference.opt_b)
+
+
+def test_a_due_window_lands_where_the_step_applies_it():
+    # Windows of 3 micro-batches of 4: net_a's update is the window's mean gradient
+    # at the window's first weights; net_b's takes its last micro-batch's gradient
+    # after net_a's update (the window is due there), the others' before it.
+    x, y = data(24)
+    model = _dcgan(dict(steps=3))
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+
+    reference = _dcgan()
+    n_a = len(reference.net_a.trainable_variables)
+
+    def gradients(trainable_a, trainable_b, part):
+        grad_a = jax.grad(lambda t: reference.losses_of(t, trainable_b, *part)[0])
+        grad_b = jax.grad(lambda t: reference.losses_of(trainable_a, t, *part)[1])
+        return grad_a(trainable_a), grad_b(trainable_b)
+
+    for window in (range(0, 12, 4), range(12, 24, 4)):
+        values = [v.value for v in reference.trainable_variables]
+        a0, b0 = values[:n_a], values[n_a:]
+        parts = [(x[s:s + 4], y[s:s + 4]) for s in window]
+        grads_a = [gradients(a0, b0, part)[0] for part in parts]
+        mean_a = [sum(g) / 3 for g in zip(*grads_a)]
+        reference.opt_a.apply(mean_a, reference.net_a.trainable_variables)
+        a1 = [v.value for v in reference.net_a.trainable_variables]
+        grads_b = [gradients(a0, b0, part)[1] for part in parts[:2]]
+        grads_b.append(gradients(a1, b0, parts[2])[1])
+        mean_b = [sum(g) / 3 for g in zip(*grads_b)]
+        reference.opt_b.apply(mean_b, reference.net_b.trainable_variables)
+    assert_weights_close(model, reference)
+    assert_optimizer_close(model.opt_a, reference.opt_a)
+    assert_optimizer_close(model.opt_b, reference.opt_b)
+
 
 class OptimizersInAList(TwoOptimizers):
     """Keeps its two optimizers in a list attribute."""

@@ -7,7 +7,7 @@ import jax
 import keras
 import numpy as np
 import pytest
-from helpers import SCE, assert_weights_close
+from largebatch import SCE, assert_weights_close
 
 import gradaccum
 from gradaccum.core import privacy as core_privacy

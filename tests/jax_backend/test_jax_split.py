@@ -12,8 +12,15 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 import pytest
-from helpers import SCE, assert_optimizer_close, assert_weights_close, data, max_gap, mlp
-from test_jax_accumulate import _own_loss
+from largebatch import (
+    SCE,
+    assert_optimizer_close,
+    assert_weights_close,
+    data,
+    max_gap,
+    mlp,
+    own_loss,
+)
 from test_jax_mixed_precision import _mlp as _mixed_mlp
 
 import gradaccum
@@ -116,10 +123,10 @@ def test_masked_sequences_are_weighted_by_their_tokens():
 def test_a_models_own_compute_loss_runs_per_micro_batch():
     # Equal micro-batches (8 + 8 + 8): the extra term's mean is exact with them.
     x, y = data(48)
-    model = gradaccum.accumulate(_own_loss(), micro_batch_size=8)
+    model = gradaccum.accumulate(own_loss(), micro_batch_size=8)
     model.compile(keras.optimizers.SGD(0.5), SCE)
     model.fit(x, y, batch_size=24, epochs=2, shuffle=False, verbose=0)
-    reference = _own_loss()
+    reference = own_loss()
     reference.compile(keras.optimizers.SGD(0.5), SCE)
     reference.fit(x, y, batch_size=24, epochs=2, shuffle=False, verbose=0)
     assert_weights_close(model, reference)

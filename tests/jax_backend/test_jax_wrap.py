@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import keras
 import numpy as np
-from helpers import (
+from largebatch import (
     SCE,
     assert_optimizer_close,
     assert_weights_close,

@@ -1,4 +1,4 @@
-"""The combination math: add a micro-batch, combine a window.
+"""The combination math: a window's combined gradient.
 
 A window of micro-batches ``i`` with gradients ``g_i`` and weights ``w_i`` becomes one
 update with the combined gradient
@@ -6,9 +6,10 @@ update with the combined gradient
     G = sum_i w_i g_i / sum_i w_i      (reduction "mean")
     G = sum_i g_i                      (reduction "sum")
 
-These functions are the one place the formula is written, with `keras.ops`: the
-TensorFlow accumulator (which adds sparse gradients in place), its cross-replica
-update and the JAX step all call them.
+`combine` is the one place the formula is written, with `keras.ops`: every backend's
+window close (`gradaccum.core.transitions.combined`) calls it; each backend adds a
+micro-batch to its sums its own way (TensorFlow in place, sparse rows
+scatter-added; JAX with a `where`).
 """
 
 from __future__ import annotations
@@ -16,22 +17,6 @@ from __future__ import annotations
 import keras
 
 REDUCTIONS = ("mean", "sum")
-
-
-def added(sums, gradients, factor=None) -> list:
-    """The sums after a micro-batch: `sum + factor * g` (or `sum + g` when `factor` is
-    None) per variable, in each sum's dtype; a `None` gradient leaves its sum."""
-    ops = keras.ops
-    result = []
-    for total, grad in zip(sums, gradients):
-        if grad is None:
-            result.append(total)
-            continue
-        grad = ops.cast(grad, total.dtype)
-        if factor is not None:
-            grad = grad * ops.cast(factor, total.dtype)
-        result.append(total + grad)
-    return result
 
 
 def combine(sums, total_weight, reduction: str, dtypes) -> list:

@@ -1,6 +1,19 @@
-"""The accumulation options, declared and checked once for every door and backend."""
+"""The accumulation options, declared once for every door and backend.
+
+`OPTIONS` is the one list of the options `gradaccum.accumulate`, `gradaccum.wrap`
+and `AccumulatingModel` take: each one's name, default and the words of its
+documentation. The doors read it for their arguments (`given`), their docstrings
+(`documented`) and a saved model's config (`Options.config`); `Options` checks the
+values once, with fixed-form errors.
+"""
 
 from __future__ import annotations
+
+import inspect
+import textwrap
+from typing import NamedTuple
+
+import keras
 
 from gradaccum._validation import (
     accumulator_dtype_name,
@@ -10,9 +23,104 @@ from gradaccum._validation import (
     check_window_options,
 )
 from gradaccum.core.combine import REDUCTIONS
+from gradaccum.core.privacy import PRIVACY_FIELDS, Privacy, check_privacy
 from gradaccum.core.privacy import check_options as check_private_options
-from gradaccum.core.privacy import check_privacy
 from gradaccum.core.window import PARTIALS, WindowSpec
+
+
+class Option(NamedTuple):
+    """One option: its name, default and documentation (an `Args:` entry)."""
+
+    name: str
+    default: object
+    doc: str
+
+
+OPTIONS = (
+    Option("steps", None, """
+        micro-batches per update (k), an integer >= 1; or a schedule of k by update
+        index (counted from 0, saved with the state): sorted `(from_update, k)` pairs
+        starting at 0, such as `[(0, 1), (2, 2), (4, 4)]`, or a callable
+        `update_index -> int` (traced in the step: TensorFlow runs it through
+        AutoGraph, JAX traces it as it is). A window's length is read when it
+        opens."""),
+    Option("micro_batch_size", None, """
+        instead of `steps`, split mode: each batch the training step receives is cut
+        into micro-batches of at most this many samples and makes one update; or
+        `"auto"`, the largest size that runs without an out-of-memory error (a step
+        that runs out of memory is rolled back and run again with smaller
+        micro-batches)."""),
+    Option("max_micro_batch_size", None, """
+        with `"auto"`, the largest micro-batch to try."""),
+    Option("weight_per_update", None, """
+        instead of `steps`, a weight budget: a window closes at the first
+        micro-batch after which its total weight reaches it (with
+        `weighting="exact"` the weight is the loss normalizer: a per-token loss gets
+        about that many tokens per update)."""),
+    Option("weighting", "exact", """
+        `"exact"` (default): each micro-batch weighs its loss normalizer (its number
+        of loss elements, unmasked elements, or sample-weight sum), so unequal
+        micro-batches, sample and class weights, masks and unequal sequence lengths
+        give the large-batch gradient. `"uniform"`: the plain mean (as Keras's
+        built-in accumulation). Or a callable `(x, y, sample_weight) -> weight`
+        returning a scalar >= 0."""),
+    Option("partial", "flush", """
+        what happens to a window the data ends in the middle of (the end of an epoch
+        and of fit): `"flush"` (default) applies it normalized by its own weight,
+        `"carry"` keeps it open into the next epoch, `"drop"` discards it."""),
+    Option("reduction", "mean", """
+        `"mean"` (default): the weighted mean of the micro-batch gradients, or
+        `"sum"`: their sum (the learning rate then scales with the window)."""),
+    Option("accumulator_dtype", "float32", """
+        dtype of the accumulators (float32 by default, whatever the variables' or
+        gradients' dtype)."""),
+    Option("nonfinite", "skip", """
+        a micro-batch whose gradient holds an inf or a nan is `"skip"`ped (default:
+        dropped with its weight, counted in the logs' `skipped`, a warning once),
+        makes fit `"raise"` an error naming it, or is `"apply"`ed as Keras would; or
+        a callable `gradients -> bool` that says which micro-batches to skip (as
+        optax's `should_skip_update_fn`). Under loss scaling an overflowing
+        micro-batch is always skipped and the scale backs off."""),
+    Option("privacy", None, """
+        a `gradaccum.Privacy`: differentially private training (DP-SGD), each
+        example's gradient clipped, the noise added once per window (see there).
+        Needs Keras's default train step and the compiled loss."""),
+)
+NAMES = tuple(option.name for option in OPTIONS)
+DEFAULTS = {option.name: option.default for option in OPTIONS}
+
+
+def given(arguments: dict) -> dict:
+    """The options among a door's `arguments` (its `locals()`), by name."""
+    return {name: arguments[name] for name in NAMES}
+
+
+def documented(function):
+    """Fills the `{options}` line of `function`'s docstring with the options'
+    `Args:` entries, at its indentation; returns `function`."""
+    lines = function.__doc__.splitlines()
+    index = next(i for i, line in enumerate(lines) if line.strip() == "{options}")
+    indent = lines[index][: len(lines[index]) - len(lines[index].lstrip())]
+    entries = []
+    for option in OPTIONS:
+        text = " ".join(option.doc.split())
+        body = textwrap.wrap(f"{option.name}: {text}", width=88 - len(indent),
+                             subsequent_indent="    ")
+        entries += [indent + line for line in body]
+    function.__doc__ = "\n".join(lines[:index] + entries + lines[index + 1:])
+    return function
+
+
+def check_signature(function, *, skip=1) -> None:
+    """Raises unless `function` takes every option with its default (after its first
+    `skip` parameters): a door that drifted from `OPTIONS`."""
+    parameters = list(inspect.signature(function).parameters.values())[skip:]
+    found = {p.name: p.default for p in parameters if p.name in DEFAULTS}
+    if found != DEFAULTS:
+        raise TypeError(
+            f"{function.__qualname__} must take the options of gradaccum.core.options "
+            f"with their defaults. Received: {found}"
+        )
 
 
 class Options:
@@ -23,15 +131,16 @@ class Options:
     batch is a micro-batch; a window closes once its total weight reaches the
     budget) or `micro_batch_size` (split mode: each batch is split into
     micro-batches of at most that many samples, or `"auto"`, and makes one update).
+    The other options are `OPTIONS`'.
     """
 
     # The backend's `WindowSpec` (how a schedule's callable runs).
     window_rule = WindowSpec
 
-    def __init__(self, steps=None, weighting="exact", partial="flush", reduction="mean",
-                 accumulator_dtype="float32", nonfinite="skip", *,
-                 micro_batch_size=None, max_micro_batch_size=None,
-                 weight_per_update=None, privacy=None):
+    def __init__(self, *, steps=None, micro_batch_size=None, max_micro_batch_size=None,
+                 weight_per_update=None, weighting="exact", partial="flush",
+                 reduction="mean", accumulator_dtype="float32", nonfinite="skip",
+                 privacy=None):
         self.partial = check_choice("partial", partial, PARTIALS)
         self.micro_batch_size, self.max_micro_batch_size = check_window_options(
             steps, micro_batch_size, max_micro_batch_size, partial, weight_per_update
@@ -54,6 +163,13 @@ class Options:
         self.privacy = check_privacy(privacy)
         if self.privacy is not None:
             check_private_options(self)
+
+    def policy(self):
+        """The settings the state machine follows (`core.transitions.Policy`)."""
+        from gradaccum.core.transitions import Policy
+
+        return Policy(self.window, self.reduction, self.nonfinite, self.partial,
+                      self.weighting)
 
     @property
     def split(self) -> bool:
@@ -80,3 +196,37 @@ class Options:
         budgets, split mode); 1 under several replicas, where Keras's multi-step
         train function fails (keras issue 19246)."""
         return (self.window.constant or 1) if replicas == 1 else 1
+
+    def config(self) -> dict:
+        """The options as a saved model's config holds them: names as they are,
+        pairs as lists, a callable as Keras serializes it (registered with
+        `keras.saving.register_keras_serializable` to load), `privacy` as the dict
+        of its arguments (the seed included: None draws a new one)."""
+        config = {}
+        for name in NAMES:
+            value = getattr(self, name)
+            if name == "privacy" and value is not None:
+                value = {field: getattr(value, field) for field in PRIVACY_FIELDS}
+            elif isinstance(value, tuple):
+                value = [list(pair) for pair in value]
+            elif callable(value):
+                value = keras.saving.serialize_keras_object(value)
+            config[name] = value
+        return config
+
+    @staticmethod
+    def from_config(config: dict, custom_objects=None) -> dict:
+        """The options' values out of `config()` (callables deserialized)."""
+        values = {}
+        for name in NAMES:
+            if name not in config:
+                continue
+            value = config[name]
+            if name == "privacy" and isinstance(value, dict):
+                value = Privacy(**value)
+            elif isinstance(value, dict):
+                value = keras.saving.deserialize_keras_object(
+                    value, custom_objects=custom_objects
+                )
+            values[name] = value
+        return values

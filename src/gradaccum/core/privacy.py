@@ -324,46 +324,6 @@ def epsilon(noise_multiplier: float, sampling_rate: float, updates: int, delta: 
     return float(ledger.get_epsilon(delta))
 
 
-def privacy_spent(model, dataset_size=None, delta=None) -> float:
-    """The epsilon spent by the updates `model` made so far with `gradaccum.Privacy`.
-
-    Each update is counted as a Poisson sample of the dataset at the rate
-    `q = window / dataset_size`, with the largest window seen so far: a window the
-    data ended in the middle of (smaller, so less revealing) is counted as a full
-    one, which can only overstate epsilon. What the accountant assumes (Poisson
-    sampling) is not what `fit` does (shuffled windows of a fixed size): see
-    `gradaccum.Privacy`.
-
-    Args:
-        model: a model trained with `gradaccum.accumulate(..., privacy=...)` (or an
-            `AccumulatingModel` with `privacy`).
-        dataset_size: the number of training examples (default: the `Privacy`'s).
-        delta: the delta of (epsilon, delta)-DP, in (0, 1) (default: the
-            `Privacy`'s).
-
-    Returns:
-        epsilon, a float (`inf` with `noise_multiplier=0`, 0 before any update).
-
-    Raises:
-        ValueError: a model that does not train with privacy, a missing or invalid
-            `dataset_size` or `delta`, a `dataset_size` smaller than a window.
-
-    Example: see `gradaccum.Privacy`.
-    """
-    from gradaccum.attach import accumulation_of
-
-    accumulation = accumulation_of(model) if isinstance(model, keras.Model) else None
-    if accumulation is None:
-        accumulation = getattr(model, "_accumulation", None)
-    privacy = None if accumulation is None else accumulation.options.privacy
-    if privacy is None:
-        raise ValueError(
-            "`model` must train with gradaccum.Privacy (`gradaccum.accumulate(model, "
-            f"steps, privacy=...)`). Received: model={getattr(model, 'name', model)!r}"
-        )
-    return spent(accumulation, dataset_size, delta)
-
-
 def spent(accumulation, dataset_size=None, delta=None) -> float:
     """`privacy_spent` of the accumulation a model trains with."""
     privacy = accumulation.options.privacy

@@ -1,9 +1,22 @@
-"""The non-finite policies' words, for every backend: `nonfinite="raise"`'s error and
-`"skip"`'s warning (the policies themselves are checked in `_validation`)."""
+"""The non-finite policy, for every backend: a name or the user's callable, as
+optax's `should_skip_update_fn`.
+
+- `"skip"` (default): a micro-batch whose gradient holds an inf or a nan is dropped
+  with its weight, counted, and warned about once;
+- `"raise"`: such a micro-batch stops training with an error naming it;
+- `"apply"`: every micro-batch is accumulated as it is (Keras's behaviour);
+- a callable `gradients -> bool` (a Python or tensor boolean): True skips the
+  micro-batch, as `"skip"` does, without a warning.
+
+`gradaccum.core.transitions.screen` applies it; here are the user callable's call and
+the policy's words (`"raise"`'s error, `"skip"`'s warning).
+"""
 
 from __future__ import annotations
 
 import warnings
+
+from gradaccum._validation import check_callable_result
 
 # The error of nonfinite="raise": its words around the micro-batch's number and its
 # place in the window.
@@ -28,4 +41,16 @@ def warn_skipped(count: int = 1, stacklevel: int = 4) -> None:
         "nonfinite='raise' to stop at the first, or nonfinite='apply' for Keras's "
         "behaviour.",
         stacklevel=stacklevel,
+    )
+
+
+def user_skip(nonfinite, gradients):
+    """Calls a user's `nonfinite` callable on the micro-batch's gradients and checks
+    that it gives a boolean scalar (True: skip)."""
+    return check_callable_result(
+        nonfinite(list(gradients)),
+        "nonfinite",
+        kind="a boolean (True: skip the micro-batch)",
+        scalar="a scalar boolean",
+        accepts=lambda dtype: dtype == "bool",
     )

@@ -1,4 +1,4 @@
-"""When a window closes, in one home for every backend.
+"""When a window closes: the rule, for every backend.
 
 - A window closes after `steps` micro-batches (skipped ones included); `steps` may
   be a schedule by update index, read when the window opens.
@@ -10,7 +10,8 @@
 
 `WindowSpec` holds the checked rule and computes the length of a window from the
 update index with `keras.ops`; a backend subclasses it to run a schedule's callable
-its own way (TensorFlow through AutoGraph, JAX traced as it is).
+its own way (TensorFlow through AutoGraph, JAX traced as it is). The transitions
+that apply it are `gradaccum.core.transitions`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,21 @@ class WindowSpec:
 
     def __init__(self, steps=None, weight_per_update=None):
         self.steps, self.weight_per_update = check_window_rule(steps, weight_per_update)
+        if callable(self.steps):
+            # Ready to run in the backend's traced step, then tried on update 0: a
+            # wrong type or a first window below 1 is refused before a step runs.
+            self.prepare()
+            first = self.first_length()
+            if first < 1:
+                raise ValueError(f"{SCHEDULE_RULE} Received: {first} for update_index=0")
+
+    def prepare(self) -> None:
+        """Makes a schedule's callable ready for the backend's traced step (and
+        refuses one that cannot run there): a backend's rule overrides it."""
+
+    def first_length(self) -> int:
+        """The schedule's value at update 0, as a Python int."""
+        return int(self.length(0))
 
     @property
     def constant(self) -> int | None:

@@ -1,13 +1,19 @@
-"""What a model's own JAX `train_step(state, data)` hands to its optimizers.
+"""A model's own JAX `train_step(state, data)`, run as written, its optimizer calls
+accumulated.
 
 While the step runs, every optimizer the model holds (`self.optimizer`, a GAN's
 `self.g_optimizer` / `self.d_optimizer`, one in a list or dict attribute) has its
-`stateless_apply` replaced by a
-recorder (`Handover`): it keeps the gradients, the trainable variables and the
-optimizer variables handed to it, and gives the variables back unchanged. `shares`
-then finds each handed array in the state the trainer carries (by identity: the
-step slices the state it received), so that the window's update can be made when it
-closes: one `stateless_apply` per optimizer (`Applier`), on its variables only.
+`stateless_apply` replaced by the `Handover`'s: the gradients the step hands over
+go through that optimizer's window record (`gradaccum.core.transitions`: screened,
+weighted, added, and when the window is due or the data ends, applied), and the call
+returns the variables as the window left them: updated when it closed, as they were
+otherwise. So a step that updates one network and then differentiates through it
+(keras.io's DCGAN order) sees the update wherever a window is due, as on
+TensorFlow and as plain Keras at `steps=1`.
+
+Each handed array is found in the state the trainer carries (by identity: the step
+slices the state it received); each optimizer applies its window with one
+`stateless_apply` on its variables only (`Applier`).
 
 Keras's JAX trainer carries `self.optimizer`'s variables; a model with several
 optimizers carries theirs in that place of the state (its `_get_jax_state` and
@@ -20,9 +26,14 @@ import contextlib
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
+import keras
 
 from gradaccum import _keras_common as kc
 from gradaccum._validation import check_optimizer
+from gradaccum.backends.jax.record import FitRecord, WindowRecord
+from gradaccum.backends.jax.state import window_prefix
+from gradaccum.core import transitions as tr
 
 
 class Applier(NamedTuple):
@@ -55,75 +66,144 @@ class Applier(NamedTuple):
         return self._replace(optimizer_slots=tuple(range(start, start + count)))
 
 
-class Handed(NamedTuple):
-    """One `stateless_apply` call of the step: the optimizer, the name the model
-    reaches it by, and what the step handed it."""
+def run(step, carry, data) -> dict:
+    """`steps` mode with the model's own `train_step(state, data)` (`step.own_step`):
+    it runs as written, each optimizer call through its window (`Handover`).
+    Returns the step's logs; `carry` holds the state after it."""
+    model = step.model
+    fit = FitRecord(carry)
+    fit.add("epoch_step", 1)
+    theirs = [i for i in range(len(carry.metrics)) if i not in step.slots.values()]
+    step_name = f"{type(model).__name__}.train_step"
+    entry_non_trainable = list(carry.non_trainable)
+    handover = Handover(step, carry, data, tr.end_of_data(fit), step_name)
+    step.normalizers.start()
+    with handover.recording():
+        logs, state = step.own_step(
+            (list(carry.trainable), list(carry.non_trainable), list(carry.optimizer),
+             [carry.metrics[i] for i in theirs]),
+            data,
+        )
+    if not handover.appliers:
+        raise ValueError(
+            f"The train_step of {type(model).__name__} must hand its gradients to "
+            "the model's optimizer (`self.optimizer.stateless_apply(...)`) for "
+            "gradaccum to accumulate them. Received: a step that did not call it, "
+            "so nothing would be trained."
+        )
+    check_loss_scaled_appliers(step, handover.appliers, step_name)
+    step.appliers = dict(handover.appliers)
+    step.appliers_known = True
+    trainable_out, non_trainable_out, optimizer_out, metrics_out = state
+    updated = set().union(*(a.variable_slots for a in step.appliers.values()))
+    if any(trainable_out[i] is not carry.trainable[i] for i in sorted(updated)):
+        raise ValueError(
+            "A model's own `train_step` must return the trainable variables each "
+            "optimizer's `stateless_apply` gave it, unchanged, for gradaccum to "
+            "apply the window's update: what the step does to the variables after "
+            "that call would be lost where a window stays open. Received: "
+            f"{step_name} changed them after the call (a clip or a constraint? put "
+            "it in the layers' `kernel_constraint` or an optimizer option)."
+        )
+    if len(optimizer_out) != len(carry.optimizer) or any(
+        a is not b for a, b in zip(optimizer_out, carry.optimizer)
+    ):
+        raise ValueError(
+            "A model's own `train_step` must return the optimizer variables of its "
+            "state as the optimizers' `stateless_apply` gave them back: gradaccum "
+            "updates them when a window closes. Received: "
+            f"{step_name} returned others (an optimizer gradaccum does not reach "
+            "as an attribute of the model, or a change of its own?)."
+        )
+    accepted = jnp.any(jnp.stack(handover.accepted))
+    carry.non_trainable = [jnp.where(accepted, new, old)
+                           for new, old in zip(non_trainable_out, entry_non_trainable)]
+    for i, value in zip(theirs, metrics_out):
+        carry.metrics[i] = value
+    return dict(logs)
 
-    optimizer: object
-    name: str
-    optimizer_variables: list
-    gradients: list
-    trainable_variables: list
+
+def loss_scaling_fits(step, appliers) -> bool:
+    """Whether the optimizers a step hands gradients to (`appliers`, by record) fit
+    loss scaling: a `LossScaleOptimizer` applies as the model's optimizer on its
+    whole state, or none is one."""
+    model = step.model
+    appliers = list(appliers.values())
+    scaled = [a for a in appliers if kc.is_loss_scale_optimizer(a.optimizer)]
+    if not (scaled or step.loss_scaled):
+        return True
+    whole = Applier.whole(model.optimizer, len(model.trainable_variables))
+    applier = appliers[0]
+    return len(appliers) == 1 and (
+        applier.optimizer is whole.optimizer
+        and applier.optimizer_slots == whole.optimizer_slots
+        and applier.variable_slots == whole.variable_slots
+    )
+
+
+def check_loss_scaled_appliers(step, appliers, step_name) -> None:
+    """Refuses a step whose optimizers do not fit loss scaling (`loss_scaling_fits`)."""
+    if not loss_scaling_fits(step, appliers):
+        raise ValueError(
+            "On Keras's JAX backend gradaccum scales losses (a LossScaleOptimizer) "
+            "for a model's own `train_step` that hands all its gradients to the "
+            "model's optimizer, `self.optimizer`, with the state's optimizer "
+            f"variables. Received: {step_name} handing them to "
+            f"{len(appliers)} optimizer(s), a LossScaleOptimizer among them, "
+            "or part of them."
+        )
 
 
 class Handover:
-    """Records what the model's own step hands to each optimizer's
-    `stateless_apply` (at most once per optimizer and step).
+    """What the model's own step hands to each optimizer's `stateless_apply` (at
+    most once per optimizer and step), taken through that optimizer's window.
 
     Args:
-        model: the model whose step runs.
+        step: the `TrainStep`.
+        carry: the step's `Carry` (the state the model's step received).
+        data: the micro-batch.
+        end: whether the data ends with this micro-batch (a boolean).
+        step_name: the model's step, as errors name it.
     """
 
-    def __init__(self, model):
-        self.model = model
-        self.handed = []
+    def __init__(self, step, carry, data, end, step_name: str):
+        self.step = step
+        self.carry = carry
+        self.micro_batch = keras.utils.unpack_x_y_sample_weight(data)
+        self.end = end
+        self.step_name = step_name
+        # Where the state's arrays sit, as the model's step received them.
+        self.position = {id(t): i for i, t in enumerate(carry.trainable)}
+        self.slot = {id(v): i for i, v in enumerate(carry.optimizer)}
+        # The record index of each optimizer the step handed gradients to, in order.
+        self.appliers = {}
+        self.accepted = []
 
     def recorder(self, name, optimizer):
+        index = self.step.optimizers.index(optimizer)
+
         def stateless_apply(optimizer_variables, grads, trainable_variables):
-            if any(entry.optimizer is optimizer for entry in self.handed):
+            if index in self.appliers:
                 raise ValueError(
                     "On Keras's JAX backend a model's own `train_step` must hand its "
                     f"gradients to `self.{name}.stateless_apply` once per step for "
                     "gradaccum to accumulate them. Received: a second call in one step "
-                    f"of {type(self.model).__name__}.train_step."
+                    f"of {self.step_name}."
                 )
-            returned = list(trainable_variables)
-            self.handed.append(Handed(optimizer, name, list(optimizer_variables),
-                                      list(grads), returned))
-            return returned, list(optimizer_variables)
+            applier = self.applier(optimizer, name, optimizer_variables, grads,
+                                   trainable_variables)
+            self.appliers[index] = applier
+            if not loss_scaling_fits(self.step, self.appliers):
+                # Refused after the step, with every optimizer it hands gradients to.
+                return list(trainable_variables), list(optimizer_variables)
+            return self.accumulate(index, applier, list(grads))
 
         return stateless_apply
 
-    @contextlib.contextmanager
-    def recording(self, hidden):
-        """While the step runs: each optimizer's `stateless_apply` records, and the
-        metric `hidden` (gradaccum's state) is not among the model's metrics (the
-        step updates those it finds)."""
-        routed = kc.named_optimizers(self.model)
-        metrics = kc.model_metrics(self.model)
-        kept = list(metrics)
-        metrics[:] = [m for m in metrics if m is not hidden]
-        for name, optimizer in routed:
-            optimizer.stateless_apply = self.recorder(name, optimizer)
-        try:
-            yield self
-        finally:
-            for _, optimizer in routed:
-                del optimizer.stateless_apply
-            metrics[:] = kept
-
-
-def shares(handed, trainable, optimizer_variables, step_name):
-    """Each optimizer's `Applier` and the micro-batch's gradient per trainable
-    variable of the state (None where no optimizer received one), from what the
-    step `step_name` handed over (`Handover.handed`) and the state it received."""
-    position = {id(t): i for i, t in enumerate(trainable)}
-    slot = {id(v): i for i, v in enumerate(optimizer_variables)}
-    gradients = [None] * len(trainable)
-    owner = {}
-    appliers = []
-    for optimizer, name, handed_optimizer, grads, variables in handed:
+    def applier(self, optimizer, name, optimizer_variables, grads, variables) -> Applier:
+        """The share of the state the call handed over."""
         check_optimizer(optimizer)
+        step_name = self.step_name
         if len(grads) != len(variables):
             raise ValueError(
                 f"The gradients a model's own `train_step` hands to `self.{name}."
@@ -131,7 +211,7 @@ def shares(handed, trainable, optimizer_variables, step_name):
                 f"Received: {len(grads)} gradients for {len(variables)} variables in "
                 f"{step_name}."
             )
-        slots = [slot.get(id(v)) for v in handed_optimizer]
+        slots = [self.slot.get(id(v)) for v in optimizer_variables]
         if len(slots) != len(optimizer.variables) or None in slots:
             raise ValueError(
                 "On Keras's JAX backend gradaccum applies each optimizer from the state "
@@ -142,7 +222,7 @@ def shares(handed, trainable, optimizer_variables, step_name):
                 "`_get_jax_state`). Received: optimizer variables that are not the "
                 f"state's in {step_name}."
             )
-        places = [position.get(id(v)) for v in variables]
+        places = [self.position.get(id(v)) for v in variables]
         if None in places:
             raise ValueError(
                 "A model's own `train_step` must hand "
@@ -150,19 +230,76 @@ def shares(handed, trainable, optimizer_variables, step_name):
                 "`state` as it received them, for gradaccum to update them when a "
                 f"window closes. Received: a value computed from them in {step_name}."
             )
-        for place, grad in zip(places, grads):
-            if place in owner:
+        for applier in self.appliers.values():
+            shared = set(places) & set(applier.variable_slots)
+            if shared:
+                other = kc.optimizer_name(self.step.model, applier.optimizer)
                 raise ValueError(
                     "Each trainable variable of a model's own `train_step` must be "
                     "handed to one optimizer. Received: variable "
-                    f"{place} of the state handed to `self.{owner[place]}` and "
+                    f"{min(shared)} of the state handed to `self.{other}` and "
                     f"`self.{name}` in {step_name}."
                 )
-            owner[place] = name
-            gradients[place] = grad
         no_gradient = frozenset(p for p, g in zip(places, grads) if g is None)
-        appliers.append(Applier(optimizer, tuple(slots), tuple(places), no_gradient))
-    return appliers, gradients
+        return Applier(optimizer, tuple(slots), tuple(places), no_gradient)
+
+    def accumulate(self, index, applier, grads):
+        """The call's gradients through window record `index`: returns the
+        variables and optimizer variables as the window leaves them (updated where
+        it closed)."""
+        step = self.step
+        policy = step.policy
+        carry = self.carry
+        x, y, sample_weight = self.micro_batch
+        # The normalizers the compiled loss recorded since the previous call (the
+        # previous call's where it recorded none: the step computed its loss once).
+        normalizers = step.normalizers.since_last_call()
+        if policy.weighting == "exact" and any(escaped(n) for n in normalizers):
+            raise ValueError(
+                "weighting='exact' reads each micro-batch's loss normalizer where the "
+                "compiled loss computes it; a model's own `train_step` that computes "
+                "its loss inside a JAX transformation of its own (`jax.checkpoint`, "
+                "`lax.scan`, `vmap`) keeps that value inside it. Received: a normalizer "
+                f"that escaped such a transformation in {self.step_name}. "
+                "Pass weighting='uniform' (equal micro-batches) or a `weighting` "
+                "callable of the micro-batch."
+            )
+        record = WindowRecord(carry, step, applier, window_prefix(index))
+        fit = FitRecord(carry)
+        # (A step with a loss of its own is weighted by size, as the contract says:
+        # nothing to warn about.)
+        weight = jax.lax.stop_gradient(
+            tr.weigh(policy, x, y, sample_weight, normalizers, record, warn=False)
+        )
+        tr.track_terms(fit, record, normalizers)
+        accepted = tr.micro_batch(
+            policy, record, grads, weight,
+            loss_scale=step.growth_steps if step.loss_scaled else None,
+            end=self.end, fit=fit,
+        )
+        self.accepted.append(accepted)
+        return ([carry.trainable[p] for p in applier.variable_slots],
+                [carry.optimizer[i] for i in applier.optimizer_slots])
+
+    @contextlib.contextmanager
+    def recording(self):
+        """While the step runs: each optimizer's `stateless_apply` goes through its
+        window, and gradaccum's state is not among the model's metrics (the step
+        updates those it finds)."""
+        model = self.step.model
+        hidden = self.step.state
+        routed = kc.named_optimizers(model)
+        metrics = kc.model_metrics(model)
+        kept = list(metrics)
+        metrics[:] = [m for m in metrics if m is not hidden]
+        for name, optimizer in routed:
+            optimizer.stateless_apply = self.recorder(name, optimizer)
+        try:
+            yield self
+        finally:
+            for _, optimizer in routed:
+                del optimizer.stateless_apply
+            metrics[:] = kept
 
 
 def escaped(value) -> bool:

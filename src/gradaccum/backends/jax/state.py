@@ -1,4 +1,5 @@
-"""The accumulation state on JAX: one record, riding in the trainer's state."""
+"""The accumulation state on JAX: the records `gradaccum.core.state` declares, riding
+in the trainer's state."""
 
 from __future__ import annotations
 
@@ -6,123 +7,40 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
+from gradaccum.core.state import ERRORS, FIT, WINDOW, accumulator_name, fields
 
-class AccumulationState(keras.metrics.Metric):
-    """Every value gradaccum keeps between micro-batches on JAX, as the variables of
-    a metric the model tracks: Keras's JAX trainer passes metric variables into its
-    jitted step and back, syncs them to the model when a callback reads it, and
-    never saves them in `model.save()` (the model's file stays Keras's own).
 
-    It reports no result (`fit`'s logs get their entries from the step) and its
-    `reset_state` keeps the window: Keras resets metrics at every epoch, and a
-    window may stay open across epochs (`partial="carry"`).
-
-    Variables: `accumulator_<i>` per trainable variable (its window's sum; a scalar
-    zero in split mode, where the sums never outlive a step), and the scalar fields
-    packed into two vectors, `counts` (int32: the integer and boolean fields) and
-    `weights` (the weight fields, then `term_ratios`). Every array the trainer
-    carries costs each call of the step (JAX's dispatch, Keras's tracking of its
-    state), so the fields travel as two; the step reads and writes them by name
+class Packed:
+    """Accumulators and scalar fields as a backend's arrays: `accumulator_<i>` per
+    variable, and the fields packed into two vectors, `counts` (int32: the integer
+    and boolean fields) and `weights` (the weight fields and `term_ratios`). Every
+    array a jitted step carries costs each call (JAX's dispatch, Keras's tracking of
+    its state), so the fields travel as two; the step reads and writes them by name
     (`unpack` / `pack`), and `named()` gives each field as a variable-like view
     (`numpy`, `assign`, `shape`, `value`) under its own name, the name checkpoints
     keep.
 
-    Fields (`FIELDS`):
-    - `total_weight`: the sum of the open window's micro-batch weights.
-    - `micro_step`: micro-batches accumulated in the open window.
-    - `window_skipped`: micro-batches of the open window skipped as not finite (they
-      count towards its length).
-    - `window_steps`: the open window's length, read from the schedule when it opened.
-    - `skipped`: micro-batches skipped in all.
-    - `updates`: windows applied (the position of a `steps` schedule).
-    - `last_window_micro_batches`, `last_window_weight`: what the last update's
-      window held.
-    - `epoch_step`, `epoch_length`: micro-batches seen in the current epoch and its
-      length (-1: unknown), for the window the data ends in.
-    - `resume_skip`: micro-batches still to skip after a restore inside an epoch.
-    - `term_ratios`, `inexact`: with several loss terms, their normalizer ratios at
-      the window's start and whether a window had others (one weight is then not
-      exact).
-    - `micro_batches`: micro-batches presented since the state was made.
-    - `error`, `error_at`, `error_micro_batch`: the first run-time error of the
-      step (`ERRORS`), where it happened (the micro-batch's place in its window,
-      counted from 1; the update index for a schedule's value below 1) and its
-      number among all micro-batches (from 1); raised by `fit` after the jitted
-      call, which cannot raise.
-    - with `gradaccum.Privacy`, `largest_window`: the most examples a window
-      applied held (the accountant's sampling rate).
+    Args:
+        declared: `(name, core.state.Field)` per field, in order.
+        terms: the length of a `ratios` field.
+        weight_dtype: the dtype of the weight fields.
     """
 
-    FIELDS = (
-        "total_weight",
-        "micro_step",
-        "window_skipped",
-        "window_steps",
-        "skipped",
-        "updates",
-        "last_window_micro_batches",
-        "last_window_weight",
-        "epoch_step",
-        "epoch_length",
-        "resume_skip",
-        "term_ratios",
-        "inexact",
-        "micro_batches",
-        "error",
-        "error_at",
-        "error_micro_batch",
-    )
-    # The fields kept in `weights` (the rest are in `counts`).
-    WEIGHT_FIELDS = ("total_weight", "last_window_weight", "largest_window", "term_ratios")
-    # What `error` holds.
-    ERRORS = {"nonfinite": 1, "negative_weight": 2, "schedule": 3}
-
-    def __init__(self, variables, accumulator_dtype="float32", terms=0, layouts=None,
-                 split=False, private=False):
-        super().__init__(name="gradaccum_state")
-        self.fields = self.FIELDS + (("largest_window",) if private else ())
-        # Under a keras.distribution each accumulator is laid out as its variable
-        # (sharded like it, never whole on one device) and every field replicated.
-        layouts = layouts or [None] * len(variables)
-        # In split mode every batch closes its window: the sums live in the step
-        # only, and the state keeps a scalar zero in their place.
-        self.accumulators = [
-            self._add(() if split else tuple(v.shape), "zeros", accumulator_dtype,
-                      f"accumulator_{i}", replicated(()) if split else layout)
-            for i, (v, layout) in enumerate(zip(variables, layouts))
-        ]
-        weight_dtype = "float64" if accumulator_dtype == "float64" else "float32"
-        # Each field's place: (vector, start, shape, dtype).
+    def layout(self, declared, terms: int, weight_dtype: str) -> dict:
+        """Sets each field's place `(vector, start, shape, dtype)` and returns each
+        vector's initial values."""
+        self.fields = tuple(name for name, _ in declared)
         self.places = {}
-        sizes = {"counts": 0, "weights": 0}
-        for field in self.fields:
-            vector = "weights" if field in self.WEIGHT_FIELDS else "counts"
-            shape = (terms,) if field == "term_ratios" else ()
-            dtype = {"term_ratios": "float32", "inexact": "bool"}.get(
-                field, weight_dtype if vector == "weights" else "int32"
+        initial = {"counts": [], "weights": []}
+        for name, field in declared:
+            vector = "weights" if field.kind in ("weight", "ratios") else "counts"
+            shape = (terms,) if field.kind == "ratios" else ()
+            dtype = {"ratios": "float32", "flag": "bool", "weight": weight_dtype}.get(
+                field.kind, "int32"
             )
-            self.places[field] = (vector, sizes[vector], shape, dtype)
-            sizes[vector] += terms if shape else 1
-        initial = np.zeros((sizes["counts"],), "int32")
-        initial[self.places["epoch_length"][1]] = -1
-        self.counts = self._add((sizes["counts"],), keras.initializers.Constant(initial),
-                                "int32", "counts", replicated((1,)))
-        self.weights = self._add((sizes["weights"],), "zeros", weight_dtype, "weights",
-                                 replicated((1,)))
-
-    def _add(self, shape, initializer, dtype, name, layout):
-        """A variable of the state, with `layout` (None: the distribution's, if any)."""
-        if layout is None:
-            return self.add_variable(shape=shape, initializer=initializer, dtype=dtype,
-                                     name=name)
-        with keras.name_scope(self.name, caller=self):
-            variable = keras.Variable(
-                initializer=keras.initializers.get(initializer), shape=shape, dtype=dtype,
-                trainable=False, aggregation="sum", synchronization="on_read", name=name,
-                layout=layout,
-            )
-        self._tracker.add_to_store("variables", variable)
-        return variable
+            self.places[name] = (vector, len(initial[vector]), shape, dtype)
+            initial[vector] += [field.initial] * (terms if shape else 1)
+        return initial
 
     def __getattr__(self, name):
         # A field by name (`state.micro_step.numpy()`): its view.
@@ -132,9 +50,9 @@ class AccumulationState(keras.metrics.Metric):
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def carried(self) -> dict:
-        """The variables the trainer carries, by name: the accumulators, `counts`
-        and `weights`."""
-        named = {f"accumulator_{i}": v for i, v in enumerate(self.accumulators)}
+        """The variables a step carries, by name: the accumulators, `counts` and
+        `weights`."""
+        named = {accumulator_name(i): v for i, v in enumerate(self.accumulators)}
         named.update(counts=self.counts, weights=self.weights)
         return named
 
@@ -152,28 +70,91 @@ class AccumulationState(keras.metrics.Metric):
 
     def unpack(self, carried: dict) -> dict:
         """`carried`'s values (as `carried()` names them) with the fields read out of
-        `counts` and `weights`: the window by name, as the step works on it."""
+        `counts` and `weights`: the state by name, as the step works on it."""
         window = {k: v for k, v in carried.items() if k not in ("counts", "weights")}
         window.update({field: self.read(carried, field) for field in self.places})
         return window
 
     def pack(self, window: dict) -> dict:
-        """The inverse of `unpack`: the fields of `window` back in the two vectors
-        (each holds at least two fields)."""
+        """The inverse of `unpack`: the fields of `window` back in the two vectors."""
         carried = {k: v for k, v in window.items() if k not in self.places}
         for vector, dtype in (("counts", "int32"), ("weights", self.weights.dtype)):
-            carried[vector] = jnp.concatenate([
-                jnp.reshape(window[field], (-1,)).astype(dtype)
-                for field, place in self.places.items() if place[0] == vector
-            ])
+            parts = [jnp.reshape(window[field], (-1,)).astype(dtype)
+                     for field, place in self.places.items() if place[0] == vector]
+            carried[vector] = jnp.concatenate(parts) if parts else jnp.zeros((0,), dtype)
         return carried
 
     def named(self) -> dict:
         """Every accumulator and field under its stable name (`accumulator_<i>` and
         the fields: the names checkpoints keep), each field as a `Field` view."""
-        named = {f"accumulator_{i}": v for i, v in enumerate(self.accumulators)}
+        named = {accumulator_name(i): v for i, v in enumerate(self.accumulators)}
         named.update({field: Field(self, field) for field in self.fields})
         return named
+
+
+class AccumulationState(Packed, keras.metrics.Metric):
+    """Every value gradaccum keeps between micro-batches of `fit` on JAX, as the
+    variables of a metric the model tracks: Keras's JAX trainer passes metric
+    variables into its jitted step and back, syncs them to the model when a callback
+    reads it, and never saves them in `model.save()` (the model's file stays Keras's
+    own).
+
+    It reports no result (`fit`'s logs get their entries from the step) and its
+    `reset_state` keeps the window: Keras resets metrics at every epoch, and a
+    window may stay open across epochs (`partial="carry"`).
+
+    It holds the records `gradaccum.core.state` declares: the fit record, and one
+    window record per optimizer the model holds (`records`: Keras's default step
+    uses the first, `model.optimizer`'s; a model's own step one per optimizer it
+    hands gradients to), the first under the fields' own names, record `j` under
+    `window_<j>_<field>`; packed as `Packed` says (a scalar zero in place of each
+    sum in split mode, where the sums never outlive a step).
+    """
+
+    # What `error` holds.
+    ERRORS = ERRORS
+
+    def __init__(self, variables, accumulator_dtype="float32", terms=0, layouts=None,
+                 split=False, private=False, records=1):
+        keras.metrics.Metric.__init__(self, name="gradaccum_state")
+        self.records = records
+        fit = fields(FIT, without=() if private else ("largest_window",))
+        # A gradient is never missing at run time on JAX: no `received` counts.
+        window = fields(WINDOW, without=("received",))
+        declared = [(field.name, field) for field in fit]
+        for j in range(records):
+            declared += [(window_prefix(j) + field.name, field) for field in window]
+        # Under a keras.distribution each accumulator is laid out as its variable
+        # (sharded like it, never whole on one device) and every field replicated.
+        layouts = layouts or [None] * len(variables)
+        self.accumulators = [
+            self._add(() if split else tuple(v.shape), "zeros", accumulator_dtype,
+                      accumulator_name(i), replicated(()) if split else layout)
+            for i, (v, layout) in enumerate(zip(variables, layouts))
+        ]
+        weight_dtype = "float64" if accumulator_dtype == "float64" else "float32"
+        initial = self.layout(declared, terms, weight_dtype)
+        self.counts = self._add(
+            (len(initial["counts"]),),
+            keras.initializers.Constant(np.asarray(initial["counts"], "int32")),
+            "int32", "counts", replicated((1,)),
+        )
+        self.weights = self._add((len(initial["weights"]),), "zeros", weight_dtype,
+                                 "weights", replicated((1,)))
+
+    def _add(self, shape, initializer, dtype, name, layout):
+        """A variable of the state, with `layout` (None: the distribution's, if any)."""
+        if layout is None:
+            return self.add_variable(shape=shape, initializer=initializer, dtype=dtype,
+                                     name=name)
+        with keras.name_scope(self.name, caller=self):
+            variable = keras.Variable(
+                initializer=keras.initializers.get(initializer), shape=shape, dtype=dtype,
+                trainable=False, aggregation="sum", synchronization="on_read", name=name,
+                layout=layout,
+            )
+        self._tracker.add_to_store("variables", variable)
+        return variable
 
     def update_state(self, *args, **kwargs):
         raise TypeError(
@@ -188,11 +169,16 @@ class AccumulationState(keras.metrics.Metric):
         pass
 
 
+def window_prefix(index: int) -> str:
+    """The prefix of window record `index`'s field names ("" for the first)."""
+    return "" if index == 0 else f"window_{index}_"
+
+
 class Field:
     """One field of an `AccumulationState`, read from and written to its packed
     vector as a variable would be (outside the jitted step)."""
 
-    def __init__(self, state: AccumulationState, name: str):
+    def __init__(self, state: Packed, name: str):
         self.state = state
         self.name = name
         self.vector, _, self.shape, self.dtype = state.places[name]

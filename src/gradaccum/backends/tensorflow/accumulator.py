@@ -1,13 +1,12 @@
-"""`GradientAccumulator`: the accumulator's declared state and its four verbs,
-accumulate, step, apply and reset.
+"""`GradientAccumulator` on TensorFlow: the accumulator's declared state and its
+four verbs, accumulate, step, apply and reset.
 
-The pieces it is made of live in modules of their own: the formula in
-`gradaccum.core.combine` (TensorFlow's in-place add in `combine`), the non-finite
-policies in `screening`, loss scaling in `loss_scale`, closing a window across
-replicas in `replicas` (the rest of tf.distribute in `distributed`), the saved state
-in `state`, argument checks in `gradaccum._validation`. The Keras `fit()`
-integration, distribution, mixed precision and batch normalization all go through
-this class.
+What a micro-batch does to the window is `gradaccum.core.transitions` (the state
+machine every backend shares); this class holds the state (`state.AccumulatorState`,
+TensorFlow variables) and hands the transitions its window record: on one device
+`record.VariableRecord`, under a tf.distribute strategy `replicas.ReplicaRecord`
+(the one reduction per update). The Keras `fit()` integration, distribution, mixed
+precision and batch normalization all go through this class.
 """
 
 from __future__ import annotations
@@ -19,24 +18,26 @@ require_tensorflow()
 import tensorflow as tf  # noqa: E402
 
 from gradaccum._validation import (  # noqa: E402
-    check_accumulator_dtype,
     check_choice,
-    check_gradients,
     check_optimizer,
     check_variables,
-    check_weight,
 )
-from gradaccum.backends.tensorflow import combine as _combine  # noqa: E402
 from gradaccum.backends.tensorflow import distributed as dist  # noqa: E402
 from gradaccum.backends.tensorflow import keras_compat as kc  # noqa: E402
-from gradaccum.backends.tensorflow import loss_scale, replicas  # noqa: E402
-from gradaccum.backends.tensorflow import screening as _screening  # noqa: E402
-from gradaccum.backends.tensorflow.branching import rare_cond  # noqa: E402
-from gradaccum.backends.tensorflow.combine import REDUCTIONS  # noqa: E402
+from gradaccum.backends.tensorflow.batch_norm import batch_normalization_layers  # noqa: E402
+from gradaccum.backends.tensorflow.checks import (  # noqa: E402
+    check_accumulator_dtype,
+    check_gradients,
+    check_weight,
+)
+from gradaccum.backends.tensorflow.record import VariableRecord  # noqa: E402
+from gradaccum.backends.tensorflow.replicas import ReplicaRecord  # noqa: E402
 from gradaccum.backends.tensorflow.screening import NONFINITE, check_nonfinite  # noqa: E402
 from gradaccum.backends.tensorflow.state import AccumulatorState, Untracked  # noqa: E402
 from gradaccum.backends.tensorflow.window import WindowRule  # noqa: E402
-from gradaccum.batch_norm import batch_normalization_layers  # noqa: E402
+from gradaccum.core import transitions as tr  # noqa: E402
+from gradaccum.core.combine import REDUCTIONS, combine  # noqa: E402
+from gradaccum.core.screening import warn_skipped  # noqa: E402
 
 __all__ = ["GradientAccumulator", "NONFINITE", "REDUCTIONS"]
 
@@ -184,6 +185,8 @@ class GradientAccumulator(tf.Module):
         self._reduction = check_choice("reduction", reduction, REDUCTIONS)
         self._accumulator_dtype = check_accumulator_dtype(accumulator_dtype)
         self._nonfinite = check_nonfinite(nonfinite)
+        # What the state machine follows (`gradaccum.core.transitions`).
+        self._policy = Untracked(tr.Policy(self._rule, self._reduction, self._nonfinite))
         self._warned_skip = False
         # The LossScaleOptimizer whose scale the accumulated gradients carried.
         self._loss_scaling = Untracked(None)
@@ -296,39 +299,20 @@ class GradientAccumulator(tf.Module):
 
     def window_length(self):
         """Micro-batches in the open window, skipped ones included (int64 tensor)."""
-        return self.state.micro_step + self.state.window_skipped
+        return tr.window_length(self._record())
 
     def window_due(self):
         """Whether the open window is due (a boolean tensor): it holds `steps`
         micro-batches (the schedule's length for this window), or its total weight
         reached `weight_per_update`. False without either."""
-        rule, state = self._rule, self.state
-        if rule.weight_per_update is not None:
-            weight = state.total_weight.read_value()
-            if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
-                # The budget is the global window's: every replica decides alike.
-                weight = tf.distribute.get_replica_context().all_reduce("sum", weight)
-            return weight >= tf.cast(rule.weight_per_update, weight.dtype)
-        if rule.scheduled:
-            length = self.window_length()
-            return tf.logical_and(length > 0, length >= state.window_steps)
-        if rule.constant is not None:
-            return self.window_length() >= rule.constant
-        return tf.constant(False)
+        return tr.due(self._policy.value, self._record())
 
-    def _open_window(self) -> list:
-        """A scheduled window's length is read when its first micro-batch comes.
-        Returns what the micro-batch's accumulation must wait for (the check of the
-        schedule's value)."""
-        if not self._rule.scheduled:
-            return []
-        state = self.state
-
-        def read():
-            state.window_steps.assign(self._rule.length(state.updates))
-            return tf.constant(True)
-
-        return [tf.cond(self.window_length() == 0, read, lambda: tf.constant(False))]
+    def _record(self, optimizer=None, direct=False):
+        """The window record the state machine reads and writes (the replicas'
+        under a strategy)."""
+        if tf.distribute.has_strategy():
+            return ReplicaRecord(self, optimizer)
+        return VariableRecord(self, optimizer, direct)
 
     # Accumulation ----------------------------------------------------------------
 
@@ -381,56 +365,67 @@ class GradientAccumulator(tf.Module):
         return self._add(weighted_gradients, weight, False, loss_scale_optimizer)
 
     def _add(self, gradients, weight, scale: bool, loss_scale_optimizer=None):
+        return self._run(gradients, weight, weighted=not scale,
+                         loss_scale_optimizer=loss_scale_optimizer)
+
+    def _run(self, gradients, weight, *, weighted, loss_scale_optimizer=None,
+             optimizer=None, policy=None, end=None, fit=None, direct=False, record=None):
+        """One micro-batch through the state machine (`core.transitions.micro_batch`):
+        accumulated, and where `optimizer` is given, the window closed when it is
+        due (or, with `end`, as `policy.partial` says at the end of the data).
+
+        Args:
+            gradients, weight: the micro-batch's, checked here.
+            weighted: the gradients carry the weight already.
+            loss_scale_optimizer: the LossScaleOptimizer that scaled the loss.
+            optimizer: the optimizer that applies a window that closes (None: only
+                accumulate).
+            policy: the fit's `Policy` (its `partial`), else the accumulator's.
+            end: whether the data ends with this micro-batch (a boolean tensor).
+            fit: the fit record (its largest window).
+            direct: a window of one micro-batch, applied from its gradients.
+            record: the window record to use (one the step made already).
+
+        Returns:
+            Whether the micro-batch was accepted (a boolean tensor).
+        """
         dist.check_replica_context("accumulate", self.target_variables)
         gradients = check_gradients(gradients, self.target_variables)
         weight = check_weight(weight, self.state.total_weight.dtype)
-        with tf.control_dependencies(self._open_window()):
-            if loss_scale_optimizer is not None:
-                loss_scale.check_loss_scale_optimizer(loss_scale_optimizer)
-                # The scale whose window reacts at the update under a strategy.
-                self._loss_scaling = Untracked(loss_scale_optimizer)
-                self._prepare_optimizer(loss_scale_optimizer)
-                return loss_scale.add(self, gradients, weight, scale, loss_scale_optimizer)
+        growth_steps = None
+        if loss_scale_optimizer is not None:
+            if not kc.is_loss_scale_optimizer(loss_scale_optimizer):
+                raise ValueError(
+                    "`loss_scale_optimizer` must be a keras.optimizers.LossScaleOptimizer. "
+                    f"Received: loss_scale_optimizer of type "
+                    f"{type(loss_scale_optimizer).__name__}"
+                )
+            # The scale whose window reacts at the update under a strategy.
+            self._loss_scaling = Untracked(loss_scale_optimizer)
+            self._prepare_optimizer(loss_scale_optimizer)
+            growth_steps = int(loss_scale_optimizer.dynamic_growth_steps)
+        if optimizer is not None:
+            self._ready(optimizer)
+        if record is None:
+            record = self._record(optimizer, direct)
+        accepted = tr.micro_batch(
+            policy or self._policy.value, record, gradients, weight, weighted=weighted,
+            loss_scale=growth_steps, end=end, fit=fit, direct=direct,
+            closes=optimizer is not None,
+        )
+        self._warn_if_skipped(accepted)
+        return accepted
 
-            def add():
-                self._add_micro_batch(gradients, weight, weight if scale else None)
-
-            return _screening.screened(self, gradients, add)
+    def _warn_if_skipped(self, accepted) -> None:
+        """Eagerly, under nonfinite="skip": the warning of a skipped micro-batch."""
+        if tf.executing_eagerly() and self._nonfinite == "skip" and not bool(accepted):
+            self._warn_skipped()
 
     def _warn_skipped(self, count: int = 1, stacklevel: int = 4) -> None:
         """Warns once per accumulator (eagerly here; `fit` at the end of an epoch)."""
         if not self._warned_skip:
             self._warned_skip = True
-            _screening.warn_skipped(count, stacklevel=stacklevel + 1)
-
-    def _apply_single(self, optimizer, gradients, weight=1.0):
-        """A window of one micro-batch on one device: G = g, applied without going
-        through the accumulators, screened as `nonfinite` says."""
-        self._prepare_optimizer(optimizer)
-        gradients = check_gradients(gradients, self.target_variables)
-        weight = check_weight(weight, self.state.total_weight.dtype)
-
-        def apply():
-            kc.apply_gradients(
-                optimizer,
-                [(g, v) for g, v in zip(gradients, self.target_variables) if g is not None],
-            )
-            self.state.record_update(1, weight)
-
-        return _screening.screened(self, gradients, apply, windowed=False)
-
-    def _add_micro_batch(self, gradients, weight, factor) -> None:
-        """Adds `factor * g` per variable and counts the micro-batch with its weight
-        and the variables it gave a gradient to."""
-        state = self.state
-        _combine.add_micro_batch(state.accumulators, gradients, factor)
-        state.received.assign_add(
-            tf.constant([float(g is not None) for g in gradients], state.received.dtype)
-        )
-        state.micro_step.assign_add(1)
-        state.total_weight.assign_add(weight)
-        for layer in self.batch_normalization_layers:
-            layer._accept_micro_batch()
+            warn_skipped(count, stacklevel=stacklevel + 1)
 
     # The window's combination -----------------------------------------------------
 
@@ -444,35 +439,20 @@ class GradientAccumulator(tf.Module):
             under reduction `"mean"`, the gradients are zeros.
         """
         state = self.state
-        combined = self._combine(
-            [acc.read_value() for acc in state.accumulators], state.total_weight.read_value()
+        combined = combine(
+            [acc.read_value() for acc in state.accumulators], state.total_weight.read_value(),
+            self._reduction, [v.dtype for v in self.target_variables],
         )
         if tf.executing_eagerly():
             received = state.received.numpy() > 0
             combined = [g if r else None for g, r in zip(combined, received)]
         return combined
 
-    def _noised(self, sums) -> list:
-        """The window's sums as an update applies them: with DP-SGD's noise added
-        once (`privacy.noised`); as they are without privacy."""
-        if self._privacy.value is None:
-            return sums
-        from gradaccum.backends.tensorflow import privacy
-
-        return privacy.noised(self, sums)
-
-    def _combine(self, sums, total_weight) -> list:
-        return _combine.combine(
-            sums, total_weight, self._reduction, [v.dtype for v in self.target_variables]
-        )
-
     def reset(self) -> None:
         """Empties the open window: accumulators, received counts, weight total,
         micro-step, skips in the window and the window statistics of batch
         normalization layers."""
-        self.state.reset_window()
-        for layer in self.batch_normalization_layers:
-            layer._reset_window()
+        tr.reset(VariableRecord(self))
 
     def apply(self, optimizer):
         """Applies the combined gradient of the open window, then resets.
@@ -504,80 +484,32 @@ class GradientAccumulator(tf.Module):
         Returns:
             A boolean tensor: whether an update happened.
         """
-        if tf.distribute.has_strategy():
-            return replicas.apply_if(self, optimizer, condition)
+        self._ready(optimizer)
+        return tr.apply_now(self._policy.value, self._record(optimizer),
+                            tf.cast(condition, tf.bool))
+
+    def close(self, optimizer, apply, close, fit=None):
+        """Closes the open window when `close`, applying it when `apply` (the
+        decisions of `gradaccum.core.transitions.decide`); `fit`: the fit's record
+        (its largest window). Returns whether an update happened."""
+        self._ready(optimizer)
+        return tr.close(self._policy.value, self._record(optimizer), apply, close, fit=fit)
+
+    def drop(self):
+        """Discards the open window if it holds a micro-batch (`partial="drop"` at the
+        end of the data); returns whether it did."""
+        return tr.drop(self._record())
+
+    def _ready(self, optimizer) -> None:
+        """The optimizer checked and built before a window it applies closes."""
+        if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
+            if not getattr(optimizer, "built", True):
+                tf.distribute.get_replica_context().merge_call(
+                    lambda _: self._prepare_optimizer(optimizer)
+                )
+            check_optimizer(optimizer)
+            return
         self._prepare_optimizer(optimizer)
-        condition = tf.cast(condition, tf.bool)
-
-        def update():
-            state = self.state
-            total_weight = state.total_weight.read_value()
-            self._apply_combined(
-                optimizer,
-                self._combine(
-                    self._noised([acc.read_value() for acc in state.accumulators]),
-                    total_weight,
-                ),
-                state.received.read_value(),
-                total_weight,
-            )
-            return tf.constant(True)
-
-        def due():
-            return tf.cond(self.state.micro_step > 0, update, self._close_empty)
-
-        # Most micro-batches close nothing: their branch is empty, and the update's
-        # is not walked (`rare_cond`).
-        return rare_cond(condition, due, lambda: tf.constant(False))
-
-    def _close_empty(self):
-        """A window due with nothing accumulated (every micro-batch skipped) closes
-        without an update: its skips no longer count towards a window."""
-        self.state.window_skipped.assign(tf.zeros_like(self.state.window_skipped))
-        return tf.constant(False)
-
-    def _apply_combined(self, optimizer, combined, received, window_weight,
-                        pooled=None) -> None:
-        """One optimizer update with G; a variable the window gave no gradient to is
-        left out of it (decided at run time), then the update is counted with what
-        its window held (`window_weight`: the window's total weight, across
-        replicas) and the window resets. `pooled`: each
-        driven batch normalization layer's global window (count, mean, variance),
-        pooled across replicas; None on one device."""
-        if kc.is_loss_scale_optimizer(optimizer):
-            # The accumulated gradients are unscaled and finite already.
-            optimizer = optimizer.inner_optimizer
-        pairs = list(zip(combined, self.target_variables))
-        received = received > 0
-
-        def apply_all():
-            kc.apply_gradients(optimizer, pairs)
-            return tf.constant(True)
-
-        def apply_received():
-            index = {
-                kc.var_key(optimizer, v): i for i, v in enumerate(self.target_variables)
-            }
-            # What Keras's optimizer does to a variable outside its update step (a
-            # constraint, an overwrite with the gradient) is undone where the window
-            # gave no gradient, as Keras leaves such a variable alone.
-            kept = [
-                (i, v, tf.identity(v))
-                for i, v in enumerate(self.target_variables)
-                if getattr(v, "constraint", None) is not None
-                or getattr(v, "overwrite_with_gradient", False)
-            ]
-            with kc.updating_only(optimizer, lambda key: received[index[key]]):
-                kc.apply_gradients(optimizer, pairs)
-            for i, variable, value in kept:
-                variable.assign(tf.where(received[i], variable, value))
-            return tf.constant(True)
-
-        tf.cond(tf.reduce_all(received), apply_all, apply_received)
-        for i, layer in enumerate(self.batch_normalization_layers):
-            layer._commit_window(None if pooled is None else pooled[i])
-        self.state.record_update(self.window_length(), window_weight)
-        self.reset()
 
     def step(self, optimizer, gradients, weight=1.0):
         """Accumulates a micro-batch, and applies when the window is due: `steps`

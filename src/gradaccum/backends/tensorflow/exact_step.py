@@ -8,10 +8,9 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from gradaccum import batch_norm
+from gradaccum.backends.tensorflow import batch_norm, privacy
 from gradaccum.backends.tensorflow import keras_compat as kc
-from gradaccum.backends.tensorflow import privacy
-from gradaccum.backends.tensorflow.weights import micro_batch_weight
+from gradaccum.core import transitions as tr
 
 
 def exact_step(accumulation, data):
@@ -28,23 +27,27 @@ def exact_step(accumulation, data):
         or kc.is_loss_scale_optimizer(host.optimizer)
         or acc.batch_normalization_layers
     )
-    y_pred, loss, weight = micro_batch(accumulation, x, y, sample_weight, single=single)
-    kc.loss_tracker(host).update_state(loss, sample_weight=weight)
     state.epoch_step.assign_add(1)
-    if not single:
-        accumulation.close_if_due(acc, host.optimizer)
-        state.note_window()
+    y_pred, loss, weight = micro_batch(
+        accumulation, x, y, sample_weight, single=single,
+        end=tr.end_of_data(accumulation.fit_record()),
+    )
+    kc.loss_tracker(host).update_state(loss, sample_weight=weight)
     return host.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 
-def micro_batch(accumulation, x, y, sample_weight, single=False):
-    """Forward, the host's loss and backward of one micro-batch, accumulated (applied
-    at once when `single`). Returns the predictions, the loss (as the loss tracker
+def micro_batch(accumulation, x, y, sample_weight, single=False, end=None, closes=True):
+    """Forward, the host's loss and backward of one micro-batch, through the window
+    (closed when due, or at the end of the data `end`, where `closes`; applied at
+    once when `single`). Returns the predictions, the loss (as the loss tracker
     takes it) and the micro-batch's weight."""
     host = accumulation.host
     acc = accumulation.state.accumulator
+    optimizer = host.optimizer if closes else None
+    record = acc._record(optimizer, direct=single)
     if accumulation.options.privacy is not None:
-        return _private_micro_batch(accumulation, x, y, sample_weight)
+        return _private_micro_batch(accumulation, record, x, y, sample_weight, optimizer, end)
+    policy = accumulation.policy
     variables = list(acc.target_variables)
     accumulation.normalizers.take()
     loss_scaled = kc.is_loss_scale_optimizer(host.optimizer)
@@ -55,7 +58,7 @@ def micro_batch(accumulation, x, y, sample_weight, single=False):
     # reduction "sum" the replicas' gradients are summed, as Keras's optimizer does.
     # Under loss scaling the weight is applied with the unscaling instead, so that
     # the scaled loss is what Keras would scale (no extra overflows).
-    mean = accumulation.options.reduction == "mean"
+    mean = policy.mean
     weigh_loss = mean and not (single or loss_scaled)
     with tf.GradientTape() as tape, batch_norm.driving(acc.batch_normalization_layers):
         if kc.call_has_training_arg(host):
@@ -63,7 +66,9 @@ def micro_batch(accumulation, x, y, sample_weight, single=False):
         else:
             y_pred = host(x)
         loss = kc.compute_loss(host, x, y, y_pred, sample_weight)
-        weight = tf.stop_gradient(micro_batch_weight(accumulation, x, y, sample_weight, True))
+        normalizers = accumulation.normalizers.take()
+        weight = tf.stop_gradient(tr.weigh(policy, x, y, sample_weight, normalizers, record))
+        tr.track_terms(accumulation.fit_record(), record, normalizers)
         # The replica's own loss (Keras's divided by the replica count).
         replica_loss = kc.unscale_loss_for_distribution(loss)
         objective = replica_loss if mean else loss
@@ -73,25 +78,27 @@ def micro_batch(accumulation, x, y, sample_weight, single=False):
         # static `loss_scale_factor`), as Keras's own train step does.
         objective = host.optimizer.scale_loss(objective)
     gradients = tape.gradient(objective, variables)
-    if single:
-        acc._apply_single(host.optimizer, gradients, weight)
-    elif loss_scaled:
-        # Unscaled and weighed in one multiply by the accumulator.
-        acc.accumulate(gradients, weight, loss_scale_optimizer=host.optimizer)
-    else:
-        acc.accumulate_weighted(gradients, weight)
+    acc._run(
+        gradients, weight, weighted=weigh_loss or not mean,
+        loss_scale_optimizer=host.optimizer if loss_scaled else None,
+        optimizer=optimizer, policy=policy, end=end, fit=accumulation.fit_record(),
+        direct=single, record=record,
+    )
     return y_pred, replica_loss, weight
 
 
-def _private_micro_batch(accumulation, x, y, sample_weight):
+def _private_micro_batch(accumulation, record, x, y, sample_weight, optimizer, end):
     """`micro_batch` with `gradaccum.Privacy`: the sum of the examples' clipped
     gradients, weighted by the number of examples (the window's noise is added when it
     is applied). The loss logged is the micro-batch's, as Keras computes it."""
     host = accumulation.host
+    acc = accumulation.state.accumulator
     y_pred, gradients, examples = privacy.clipped_micro_batch(
         accumulation, x, y, sample_weight
     )
-    weight = tf.cast(examples, accumulation.state.accumulator.total_weight.dtype)
-    accumulation.state.accumulator.accumulate_weighted(gradients, weight)
+    weight = tf.cast(examples, acc.total_weight.dtype)
+    acc._run(gradients, weight, weighted=True, optimizer=optimizer,
+             policy=accumulation.policy, end=end, fit=accumulation.fit_record(),
+             record=record)
     loss = kc.compute_loss(host, x, y, y_pred, sample_weight)
     return y_pred, kc.unscale_loss_for_distribution(loss), weight

@@ -59,7 +59,6 @@ PRIVATE_PIECES = _keras_common.PRIVATE_PIECES + (
      ("distribution", "grads_and_vars", "learning_rate")),
     (keras.optimizers.Optimizer, "_use_weight_decay", ("variable",)),
     (keras.optimizers.Optimizer, "update_step", ("gradient", "variable", "learning_rate")),
-    (keras.optimizers.LossScaleOptimizer, "_stateful_handle_non_finite_grads", ()),
     (_KerasBatchNormalization, "_moments", ("inputs", "mask")),
     (keras.layers.Layer, "_track_variable", ("variable",)),
     (keras.Variable, "__init__",
@@ -113,12 +112,6 @@ def optimizer_variables_of(optimizer) -> list:
 def own_variables(layer) -> list:
     """A layer's own variables (not those of its sublayers), in Keras's order."""
     return layer._trainable_variables + layer._non_trainable_variables
-
-
-def back_off_loss_scale(optimizer) -> None:
-    """Keras's own reaction of a LossScaleOptimizer to non-finite gradients:
-    the scale halves and the count of finite steps restarts."""
-    optimizer._stateful_handle_non_finite_grads()
 
 
 def tf_variable(variable):
@@ -395,7 +388,6 @@ __all__ = [
     "multi_worker",
     "optimizer_variables_of",
     "own_variables",
-    "back_off_loss_scale",
     "flatten_layers",
     "is_loss_scale_optimizer",
     "is_optimizer",

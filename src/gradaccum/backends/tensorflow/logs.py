@@ -10,8 +10,8 @@ output of the compiled call that Keras's trainer unwraps from a `tf.data` Option
 after every call, tens of microseconds apiece on a CPU, which showed at one
 micro-batch per call. `unpacking` (around the train function) and `unpacked` (the
 hook, for logs that reach it packed) give them their names back, as the Python floats
-Keras hands its callbacks; `write` writes the epoch's after its end-of-data window
-closed.
+Keras hands its callbacks. The epoch's entries are the adapter's
+(`gradaccum.adapter.Accumulation.write_logs`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from gradaccum.backends.tensorflow import keras_compat as kc
-from gradaccum.core.privacy import spent
+from gradaccum.core import transitions as tr
 
 
 def updating_optimizer(accumulation):
@@ -57,14 +56,6 @@ def last_window(accumulation) -> dict:
     return {}
 
 
-def skips_possible(accumulation) -> bool:
-    """Whether a micro-batch can be skipped (then `skipped` is logged)."""
-    optimizer = getattr(accumulation.host, "optimizer", None)
-    return accumulation.options.nonfinite != "apply" or (
-        optimizer is not None and kc.is_loss_scale_optimizer(optimizer)
-    )
-
-
 # The key of the packed entries: this prefix, then their names, comma-separated.
 PACKED = "gradaccum_counters:"
 
@@ -92,27 +83,6 @@ def unpacking(function):
     for name in ("gradaccum_wrapped", "gradaccum_skips"):
         setattr(run, name, getattr(function, name, False))
     return run
-
-
-def write(accumulation, logs) -> None:
-    """Writes the entries into an epoch's `logs` (eagerly, after the epoch)."""
-    unpacked(logs)
-    if logs is None or accumulation.state is None:
-        return
-    optimizer = updating_optimizer(accumulation)
-    if optimizer is not None:
-        logs["updates"] = float(optimizer.iterations.numpy())
-    logs.update(
-        {key: float(value.numpy()) for key, value in last_window(accumulation).items()}
-    )
-    if skips_possible(accumulation):
-        logs["skipped"] = float(accumulation.state.skipped)
-    search = accumulation.auto_size
-    if search is not None and search.chosen is not None:
-        logs["micro_batch_size"] = float(search.chosen)
-    privacy = accumulation.options.privacy
-    if privacy is not None and privacy.logs_epsilon:
-        logs["epsilon"] = spent(accumulation)
 
 
 def _packable(key, value):
@@ -150,7 +120,7 @@ def with_counters(accumulation, logs):
     packed.update(
         {key: tf.cast(value, tf.float32) for key, value in last_window(accumulation).items()}
     )
-    if skips_possible(accumulation):
+    if tr.skips_possible(accumulation.policy, accumulation.loss_scaled()):
         counts = [tf.cast(acc.skipped, tf.float32) for acc in accumulation.state.accumulators()]
         packed["skipped"] = tf.add_n(counts) if counts else tf.constant(0.0)
     if packed:

@@ -14,9 +14,9 @@ import threading
 import keras
 import tensorflow as tf
 
-from gradaccum import batch_norm
+from gradaccum.backends.tensorflow import batch_norm
 from gradaccum.backends.tensorflow import keras_compat as kc
-from gradaccum.backends.tensorflow.weights import micro_batch_weight
+from gradaccum.core import transitions as tr
 
 
 def _scaled(gradient, factor):
@@ -64,7 +64,7 @@ class OwnStep:
             state.epoch_step.assign_add(1)
         local = self._local
         local.micro_batch = keras.utils.unpack_x_y_sample_weight(data)
-        accumulation.normalizers.take()
+        accumulation.normalizers.start()
         local.intercepted = 0
         local.calls_in_step = {}
         local.calls = []
@@ -188,7 +188,13 @@ class OwnStep:
         self._note_stale(optimizer, grads, variables)
         acc = self.accumulator(optimizer, variables, occurrence)
         x, y, sample_weight = local.micro_batch
-        weight = micro_batch_weight(accumulation, x, y, sample_weight, False)
+        split = accumulation.options.split
+        # In split mode the batch's step applies once its micro-batches are in.
+        record = acc._record(None if split else optimizer)
+        normalizers = accumulation.normalizers.since_last_call()
+        weight = tr.weigh(accumulation.policy, x, y, sample_weight, normalizers, record,
+                          warn=False)
+        tr.track_terms(accumulation.fit_record(), record, normalizers)
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         if replicas > 1 and accumulation.options.reduction == "mean":
             # Keras's losses divide a replica's loss by the replica count (its
@@ -196,13 +202,13 @@ class OwnStep:
             # window is the global window's gradient. Reduction "sum" sums the
             # replicas' gradients as Keras's optimizer does: kept.
             grads = [_scaled(g, replicas) for g in grads]
-        if kc.is_loss_scale_optimizer(optimizer):
-            acc.accumulate(grads, weight, loss_scale_optimizer=optimizer)
-        else:
-            acc.accumulate(grads, weight)
-        if not accumulation.options.split:
-            # In split mode the batch's step applies once its micro-batches are in.
-            accumulation.close_if_due(acc, optimizer)
+        acc._run(
+            grads, weight, weighted=False,
+            loss_scale_optimizer=optimizer if kc.is_loss_scale_optimizer(optimizer) else None,
+            optimizer=None if split else optimizer, policy=accumulation.policy,
+            end=None if split else tr.end_of_data(accumulation.fit_record()),
+            fit=accumulation.fit_record(), record=record,
+        )
         return optimizer.iterations
 
     def accumulator(self, optimizer, variables, occurrence=0):

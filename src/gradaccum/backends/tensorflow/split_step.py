@@ -52,8 +52,7 @@ def split_step(accumulation, data):
             after = [tf.convert_to_tensor(state.applying.assign(True))]
     with tf.control_dependencies(after):
         for acc, optimizer in pairs:
-            acc.apply(optimizer)
-        state.note_window()
+            acc.close(optimizer, True, True, fit=accumulation.fit_record())
     return logs
 
 
@@ -61,7 +60,8 @@ def _exact_micro_batch(accumulation, micro, weighted, weights):
     """One micro-batch of a split batch; adds its weighted loss and weight to the
     batch's."""
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(micro)
-    y_pred, loss, weight = exact_step.micro_batch(accumulation, x, y, sample_weight)
+    y_pred, loss, weight = exact_step.micro_batch(accumulation, x, y, sample_weight,
+                                                  closes=False)
     accumulation.host.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
     weight = tf.cast(weight, tf.float32)
     return weighted + tf.cast(loss, tf.float32) * weight, weights + weight

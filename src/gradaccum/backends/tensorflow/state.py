@@ -104,19 +104,6 @@ class AccumulatorState(tf.Module):
         named.update({field: getattr(self, field) for field in self.FIELDS})
         return named
 
-    def record_update(self, micro_batches, window_weight) -> None:
-        """Counts an update and remembers what its window held."""
-        self.last_window_micro_batches.assign(tf.cast(micro_batches, tf.int64))
-        self.last_window_weight.assign(tf.cast(window_weight, self.last_window_weight.dtype))
-        self.updates.assign_add(1)
-
-    def reset_window(self) -> None:
-        """Empties the open window; the running totals stay."""
-        for variable in (*self.accumulators, self.received, self.total_weight):
-            variable.assign(tf.zeros_like(variable))
-        self.micro_step.assign(0)
-        self.window_skipped.assign(0)
-
 
 class FitState(tf.Module):
     """The accumulation state of `fit`: the accumulators and the epoch position.
@@ -179,11 +166,3 @@ class FitState(tf.Module):
         if self.largest_window is not None:
             named["largest_window"] = self.largest_window
         return named
-
-    def note_window(self) -> None:
-        """With privacy: the window the exact step's accumulator applied last
-        counts towards the largest (graph-safe; after the update)."""
-        if self.largest_window is None:
-            return
-        last = tf.cast(self.accumulator.last_window_weight, tf.float32)
-        self.largest_window.assign(tf.maximum(self.largest_window, last))

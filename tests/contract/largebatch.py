@@ -1,5 +1,6 @@
-"""Small models with fixed weights and their references on JAX: plain Keras on JAX
-trained on the concatenated windows."""
+"""Small models with fixed weights and their references: plain Keras (on the process's
+backend) trained on the concatenated windows. Keras and NumPy only: every backend's
+tests use them."""
 
 from __future__ import annotations
 
@@ -62,3 +63,28 @@ def assert_optimizer_close(a, b, rtol=1e-5, atol=1e-6):
     for u, v in zip(a.variables, b.variables):
         np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=rtol, atol=atol,
                                    err_msg=u.path)
+
+
+class OwnLoss(keras.Model):
+    """A subclassed model with its own `compute_loss` (an extra L2 term on outputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        loss = super().compute_loss(x, y, y_pred, sample_weight, training)
+        return loss + 0.01 * keras.ops.mean(keras.ops.square(y_pred))
+
+
+def own_loss(seed=0):
+    """An `OwnLoss` whose weights depend only on `seed`."""
+    model = OwnLoss()
+    model(np.zeros((1, 6), "float32"))
+    rng = np.random.default_rng(seed)
+    model.set_weights([rng.normal(0, 0.5, w.shape).astype(w.dtype) for w in model.get_weights()])
+    return model

@@ -1,0 +1,386 @@
+"""The adapter interface: what `accumulate`, `wrap`, `audit` and `privacy_spent` call
+on a backend's accumulation, declared once, and what every backend's accumulation
+does alike.
+
+`Accumulation` is the base class each backend's adapter subclasses
+(`backends/<name>/fit.py`). Its public methods are everything the entry points use;
+they hold what is the same on every backend: `fit` with gradaccum's epoch hook first
+among the callbacks (`gradaccum.epochs`), the epoch's log entries, the warnings,
+and saving the accumulation state beside the weights and restoring it (values wait
+for a state made later, each window's sums keyed by their variable:
+`gradaccum.saving`). A backend writes the abstract methods: where its state lives,
+its training step, and what its window records hold. `docs/adapters.md` says what a
+new backend writes.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import warnings
+from typing import NamedTuple
+
+import numpy as np
+
+from gradaccum import _keras_common as kc
+from gradaccum import epochs, saving
+from gradaccum.core import transitions as tr
+from gradaccum.core.auto_size import AutoSize
+from gradaccum.core.privacy import check_fit as check_private_fit
+from gradaccum.core.privacy import check_layers as check_private_layers
+from gradaccum.core.privacy import spent
+from gradaccum.core.screening import warn_skipped
+from gradaccum.weighting import NormalizerLog
+
+# The instance attribute that holds a model's accumulation (both doors).
+ATTRIBUTE = "_gradaccum_accumulation"
+
+
+def accumulation_of(model):
+    """The accumulation attached to `model` (by `accumulate` or `wrap`), or None."""
+    return getattr(model, "__dict__", {}).get(ATTRIBUTE)
+
+
+class Findings(NamedTuple):
+    """What an accumulation saw in the steps it ran that makes it differ from
+    training on the window as one batch (`gradaccum.audit` names each).
+
+    - `repeated`: `(optimizer name, calls per batch)` for an optimizer the step
+      applies several times per batch to variables those calls share.
+    - `stale`: `(later, earlier)` optimizer names where the step computes the
+      gradients it hands to `later` after applying `earlier`, from variables
+      `earlier` updates (read from the traced step where `stale_known`).
+    - `stale_known`: whether the backend can tell `stale` (else a step with several
+      `optimizers` may be).
+    - `optimizers`: the names of the optimizers the step hands gradients to.
+    - `inexact`: loss terms whose normalizers' ratios changed within a window.
+    - `skipped`: micro-batches skipped for a non-finite gradient.
+    """
+
+    repeated: list
+    stale: list
+    stale_known: bool
+    optimizers: list
+    inexact: bool
+    skipped: int
+
+
+class Accumulation(abc.ABC):
+    """Gradient accumulation attached to a model that `fit` trains (its host): the
+    user's own model (`gradaccum.accumulate`) or `wrap`'s `AccumulatingModel`.
+
+    Args:
+        options: the checked options (the backend's `Options`).
+        layers: the model trained (the host itself, or `wrap`'s inner model).
+    """
+
+    #: The backend's `Options` (a subclass of `gradaccum.core.options.Options`).
+    Options = None
+
+    def __init__(self, options, layers):
+        self.options = options
+        # What the state machine follows (`gradaccum.core.transitions`).
+        self.policy = options.policy()
+        self.layers = layers
+        self.host = None
+        # The host's own `train_step` (bound; None: Keras's default step).
+        self.own_train_step = None
+        # What the compiled losses record their normalizers into (exact weighting).
+        self.normalizers = NormalizerLog()
+        # Whether the running fit can restore inside an epoch (BackupAndRestore).
+        self.resumable = False
+        # `accumulate`: the compile the user made, restored by `disable`.
+        self.user_compile_config = None
+        # micro_batch_size="auto": the search.
+        self.auto_size = AutoSize(options.max_micro_batch_size) if options.auto else None
+        # What `fit` was given (the "auto" search speaks when it is verbose).
+        self.verbose = 0
+        self.announced = None
+        self._pending = {}
+        self._warned = set()
+        self._skipped_at_start = 0
+
+    # The doors --------------------------------------------------------------------
+
+    @classmethod
+    def check_model(cls, model) -> None:
+        """Checks a built model where a door receives it (nothing by default)."""
+        return None
+
+    def attach(self, host, own_step=None) -> None:
+        """Attaches to `host`; `own_step` is the host's own `train_step` (bound), or
+        None for Keras's default step."""
+        self.host = host
+        self.own_train_step = own_step
+
+    @abc.abstractmethod
+    def detach(self) -> None:
+        """`disable`: nothing of the state stays in the host."""
+
+    @property
+    def micro_batch_size(self) -> int | None:
+        """The micro-batch size of split mode: the one given, or the one `"auto"`
+        chose (None before its first batch, and in `steps` mode)."""
+        if self.auto_size is not None:
+            return self.auto_size.chosen
+        return self.options.micro_batch_size
+
+    def replicas(self) -> int:
+        """Replicas the host trains on (a tf.distribute strategy's)."""
+        return 1
+
+    def evaluating(self):
+        """The context `evaluate` runs in."""
+        return contextlib.nullcontext()
+
+    def before_evaluate(self, kwargs) -> None:
+        if kwargs.get("_use_cached_eval_dataset"):
+            # Validation inside fit sees the epoch's partial window applied.
+            self.end_of_data()
+
+    def after_train_on_batch(self, logs):
+        """`train_on_batch`'s logs, after the step's errors are raised."""
+        return logs
+
+    # fit ------------------------------------------------------------------------------
+
+    def fit(self, fit, x, y, batch_size, epochs_, verbose, callbacks, kwargs):
+        """Runs `fit` (the host's own) with gradaccum's hook first among callbacks."""
+        check_private_fit(self.options, x, batch_size)
+        self.verbose = verbose
+        self._warned.discard("repeated")
+        hook = epochs.EpochHook(self)
+        callbacks = epochs.begin_fit(self, hook, epochs_, callbacks, kwargs)
+        try:
+            with self.fitting(hook):
+                history = fit(x, y, batch_size=batch_size, epochs=epochs_, verbose=verbose,
+                              callbacks=callbacks, **kwargs)
+        except BaseException:
+            epochs.after_fit(self, failed=True)
+            raise
+        epochs.after_fit(self)
+        return history
+
+    def fitting(self, hook):
+        """The context `fit` runs in (the backend's: epoch lengths, workers)."""
+        return contextlib.nullcontext()
+
+    def epoch_length(self, hook) -> int | None:
+        """Batches per epoch of the running fit (None: unknown)."""
+        return (hook.params or {}).get("steps") or None
+
+    def after_batch(self, hook, logs) -> None:
+        """After each compiled call of `fit` (the hook's `on_train_batch_end`)."""
+        return None
+
+    def synced(self, hook) -> None:
+        """Before the hook reads the state (JAX syncs the trainer's into it)."""
+        return None
+
+    @abc.abstractmethod
+    def make_train_function(self, make, force=False):
+        """The host's train function, made with Keras's `make` (its own
+        `make_train_function`) after the state."""
+
+    @abc.abstractmethod
+    def train_step(self, *args):
+        """The host's `train_step`: `(data)` on TensorFlow, `(state, data)` on JAX."""
+
+    @abc.abstractmethod
+    def end_of_data(self) -> None:
+        """The data ended: the open windows are flushed or dropped as `partial`
+        says (kept with `"carry"`); idempotent."""
+
+    # The state ------------------------------------------------------------------------
+
+    @property
+    def state(self):
+        """The backend's state, None before it is made (the first training)."""
+        return self._state
+
+    @state.setter
+    def state(self, value) -> None:
+        self._state = value
+
+    @abc.abstractmethod
+    def ensure_state(self) -> None:
+        """Makes the state (before the train function is made), with any values
+        waiting for it."""
+
+    def check_trainable(self) -> int:
+        """Before the state is made: the model trained is built, has trainable
+        variables, and (with privacy) an optimizer without loss scaling. Returns how
+        many loss terms the compiled loss holds beyond the first (their normalizer
+        ratios are tracked)."""
+        host, layers = self.host, self.layers
+        if not layers.built:
+            raise ValueError(
+                "The model being trained must be built before its accumulation state is "
+                f"created. Received: model {layers.name!r} that is not built (fit builds "
+                "it from its first batch: is the data empty?). Give the model an Input, "
+                "or call it on a batch first."
+            )
+        if not host.trainable_variables:
+            raise ValueError(
+                "The model being trained must have trainable variables to accumulate "
+                f"gradients of. Received: model {layers.name!r} with none."
+            )
+        if self.options.privacy is not None:
+            check_private_layers(layers)
+            if kc.is_loss_scale_optimizer(host.optimizer):
+                raise ValueError(
+                    "`privacy` needs an optimizer without loss scaling: each example's "
+                    "gradient is clipped before the sum. Received: a LossScaleOptimizer "
+                    "(the mixed_float16 policy); use mixed_bfloat16 or float32."
+                )
+        return max(0, kc.count_compiled_losses(kc.compiled_loss(host)) - 1)
+
+    @abc.abstractmethod
+    def drop_state(self) -> None:
+        """Drops the state (a new compile: the next training makes it again)."""
+
+    @abc.abstractmethod
+    def fit_field(self, name: str):
+        """A field of the fit record as a variable (`numpy()`, `assign`)."""
+
+    @abc.abstractmethod
+    def saved_variables(self) -> dict:
+        """Every variable of the state a save keeps, under its stable name
+        (`numpy()`, `assign`, `shape`)."""
+
+    @abc.abstractmethod
+    def windows(self) -> list:
+        """Each window's accumulated variables and the prefix of its names:
+        `(prefix, variables, vectors)` (`vectors`: names holding one entry per
+        variable)."""
+
+    @abc.abstractmethod
+    def open_micro_batches(self) -> int:
+        """Micro-batches in the open window (0 without a state)."""
+
+    def forget(self) -> None:
+        """Drops the state (a new compile): it is made again before training, with
+        the open window's values, which nothing may lose silently."""
+        if self.state is not None:
+            # The windows, not the epoch's position: a new fit starts an epoch.
+            saved = {name: variable.numpy()
+                     for name, variable in self.saved_variables().items()
+                     if name not in saving.EPOCH_FIELDS}
+            for prefix, variables, vectors in self.windows():
+                saved = saving.keyed_by_variable(saved, variables, prefix, vectors)
+            self._pending = {**saved, **self._pending}
+        self.drop_state()
+        host = self.host
+        if (self._pending and host is not None and host.built
+                and getattr(host, "optimizer", None) is not None):
+            # The open window lives on at once (seen by `save_weights`, `disable`
+            # and `open_micro_batches` before the next fit).
+            self.ensure_state()
+
+    def save_to(self, store) -> None:
+        """Writes the state into `store` (a dict, or Keras's weights store)."""
+        if self.state is None:
+            return
+        for name, variable in self.saved_variables().items():
+            # The epoch's length is the running fit's (its hook sets it).
+            if name != "epoch_length":
+                store[saving.PREFIX + name] = np.asarray(variable.numpy())
+
+    def load_from(self, store) -> None:
+        """Restores what `save_to` wrote; values the state has no place for yet
+        wait until it has."""
+        self._pending = saving.loaded(store)
+        if self._pending and getattr(self.host, "optimizer", None) is not None:
+            self.ensure_state()
+            self.restore_pending()
+        # Before compile the values wait: the state is made before training.
+
+    def restore_pending(self) -> None:
+        """Gives the state the values `load_from` (or a compile) left waiting."""
+        if not self._pending or self.state is None:
+            return
+        for prefix, variables, vectors in self.windows():
+            saving.to_slots(self._pending, variables, prefix, vectors)
+        saving.restore(self.saved_variables(), self._pending)
+
+    # Logs and warnings ------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def last_window(self) -> tuple:
+        """`(iterations, micro_batches, weight)` of the window the logs report: the
+        update count of the optimizer `updates` counts (the model's, or the first
+        its own step hands gradients to), what its last update's window held."""
+
+    @abc.abstractmethod
+    def skipped(self) -> int:
+        """Micro-batches skipped for a non-finite gradient, over the windows."""
+
+    def inexact(self) -> bool:
+        """Whether a window's loss terms had normalizers of other ratios."""
+        return bool(self.fit_field("inexact").numpy())
+
+    def loss_scaled(self) -> bool:
+        return kc.is_loss_scale_optimizer(getattr(self.host, "optimizer", None))
+
+    def write_logs(self, logs) -> None:
+        """Writes gradaccum's entries into an epoch's `logs` (after its end-of-data
+        window closed)."""
+        if logs is None or self.state is None:
+            return
+        iterations, micro_batches, weight = self.last_window()
+        if iterations is not None:
+            logs["updates"] = float(iterations)
+        logs["window_micro_batches"] = float(micro_batches)
+        logs["window_weight"] = float(weight)
+        if tr.skips_possible(self.policy, self.loss_scaled()):
+            logs["skipped"] = float(self.skipped())
+        search = self.auto_size
+        if search is not None and search.chosen is not None:
+            logs["micro_batch_size"] = float(search.chosen)
+        privacy = self.options.privacy
+        if privacy is not None and privacy.logs_epsilon:
+            logs["epsilon"] = spent(self)
+
+    def repeat_warning(self) -> str | None:
+        """What fit warns about once per fit when the model's step applies an
+        optimizer several times per batch (None: it does not)."""
+        return None
+
+    def warn(self) -> None:
+        """The epoch's warnings, each once: inexact weighting, skipped micro-batches
+        (not under loss scaling, which skips by design), a repeated optimizer."""
+        if self.state is None:
+            return
+        if self.inexact() and "inexact" not in self._warned:
+            self._warned.add("inexact")
+            tr.warn_inexact(stacklevel=4)
+        skipped = self.skipped() - self._skipped_at_start
+        if (self.options.nonfinite == "skip" and skipped > 0 and not self.loss_scaled()
+                and "skipped" not in self._warned):
+            self._warned.add("skipped")
+            warn_skipped(skipped, stacklevel=4)
+        message = self.repeat_warning()
+        if message is not None and "repeated" not in self._warned:
+            self._warned.add("repeated")
+            warnings.warn(message, stacklevel=4)
+
+    def size_chosen(self) -> None:
+        """`micro_batch_size="auto"` ran a batch: the host's `micro_batch_size`
+        follows the search, which says once (when `fit` is verbose) where it
+        settled."""
+        epochs.size_chosen(self)
+
+    # The audit and privacy ----------------------------------------------------------------
+
+    @abc.abstractmethod
+    def window_gradients(self) -> list:
+        """The open windows' combined gradient: `(variable, value or None)` per
+        variable of each window (`gradaccum.audit`)."""
+
+    @abc.abstractmethod
+    def findings(self) -> Findings:
+        """What the accumulation saw (`Findings`)."""
+
+    @abc.abstractmethod
+    def privacy_record(self) -> tuple[int, float]:
+        """With privacy: the updates made and the most examples a window held."""

@@ -1,0 +1,239 @@
+"""The state machine's records inside JAX's jitted step.
+
+`Carry` holds what the step works on (the trainer's trainable, optimizer and metric
+values, and gradaccum's state unpacked by field name); the step's code changes its
+attributes as it goes, a Python object of traced values. `WindowRecord` is one
+accumulator's window record (`gradaccum.core.state.WINDOW`) in it, with JAX's
+primitives for `gradaccum.core.transitions`: the sums' add as a `where`, the update
+inside a `lax.cond` (only when a window closes), the bookkeeping of a close gated
+by `where`, and errors recorded in the fit record for `fit` to raise after the
+call (a jitted step cannot raise).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from gradaccum import _keras_common as kc
+from gradaccum.backends.jax import privacy
+from gradaccum.core.state import ERRORS, accumulator_name
+from gradaccum.core.transitions import Record
+
+
+def all_finite(gradients):
+    """Whether every element of every gradient is finite: one fused reduction per
+    gradient (XLA folds it into the pass that makes the gradient), no branch."""
+    values = [g for g in gradients if g is not None]
+    if not values:
+        return jnp.asarray(True)
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(v)) for v in values]))
+
+
+class LossScaling:
+    """Where a LossScaleOptimizer keeps its step counter, its scale and its inner
+    optimizer's variables among its own variables (None-like when the optimizer is
+    not one: `loss_scaled` False).
+
+    Args:
+        optimizer: a Keras optimizer.
+    """
+
+    def __init__(self, optimizer):
+        self.loss_scaled = kc.is_loss_scale_optimizer(optimizer)
+        if self.loss_scaled:
+            slot = {id(v): i for i, v in enumerate(optimizer.variables)}
+            self.counter_slot = slot[id(optimizer.step_counter)]
+            self.scale_slot = slot[id(optimizer.dynamic_scale)]
+            self.inner_slots = [slot[id(v)] for v in optimizer.inner_optimizer.variables]
+            self.growth_steps = int(optimizer.dynamic_growth_steps)
+
+
+class Carry:
+    """The step's values, changed in place as the step traces: `trainable`,
+    `non_trainable`, `optimizer` and `metrics` (lists, as the trainer's state holds
+    them) and `ours` (gradaccum's state by field name)."""
+
+    def __init__(self, trainable, non_trainable, optimizer, metrics, ours):
+        self.trainable = list(trainable)
+        self.non_trainable = list(non_trainable)
+        self.optimizer = list(optimizer)
+        self.metrics = list(metrics)
+        self.ours = dict(ours)
+
+
+class FitRecord(Record):
+    """The fit record's fields in the carry (`gradaccum.core.state.FIT`)."""
+
+    def __init__(self, carry: Carry):
+        self.carry = carry
+
+    def has(self, name: str) -> bool:
+        return name in self.carry.ours
+
+    def get(self, name: str):
+        return self.carry.ours[name]
+
+    def set(self, name: str, value) -> None:
+        old = self.carry.ours[name]
+        self.carry.ours[name] = jnp.asarray(value).astype(old.dtype)
+
+    def fail(self, error, code: str, at, value=None) -> None:
+        """Records the first error (its code, where, and the micro-batch's number);
+        `fit` raises it after the call."""
+        ours = self.carry.ours
+        first = (ours["error"] == 0) & error
+        ours["error"] = jnp.where(first, ERRORS[code], ours["error"]).astype("int32")
+        ours["error_at"] = jnp.where(first, at, ours["error_at"]).astype("int32")
+        ours["error_micro_batch"] = jnp.where(
+            first, ours["micro_batches"] + 1, ours["error_micro_batch"]
+        ).astype("int32")
+
+    def cond(self, pred, true_fn, false_fn):
+        return jax.lax.cond(pred, lambda: true_fn(), lambda: false_fn())
+
+    def healthy(self):
+        """No error recorded: the micro-batch may accumulate and close windows."""
+        return self.carry.ours["error"] == 0
+
+
+class WindowRecord(FitRecord):
+    """One accumulator's window record in the carry: its fields under `prefix`, the
+    sums of the trainable variables its optimizer updates.
+
+    Args:
+        carry: the step's `Carry`.
+        step: what the record needs of its step (a `TrainStep`, a
+            `GradientAccumulator`): `variable_dtypes`, `loss_scaled` (and then
+            `counter_slot`, `scale_slot`, `inner_slots`: where a LossScaleOptimizer's
+            step counter, scale and inner optimizer's variables sit among its
+            variables), `privacy` and `noise_key`.
+        applier: the `Applier` whose optimizer applies this window.
+        prefix: the record's field names' prefix ("" for the first).
+    """
+
+    def __init__(self, carry: Carry, step, applier, prefix: str = ""):
+        super().__init__(carry)
+        self.step = step
+        self.applier = applier
+        self.prefix = prefix
+        self.slots = applier.variable_slots
+
+    # Fields: this record's under its prefix, the fit record's as they are.
+
+    def _key(self, name: str) -> str:
+        key = self.prefix + name
+        return key if key in self.carry.ours else name
+
+    def has(self, name: str) -> bool:
+        return self._key(name) in self.carry.ours
+
+    def get(self, name: str):
+        return self.carry.ours[self._key(name)]
+
+    def set(self, name: str, value) -> None:
+        super().set(self._key(name), value)
+
+    def fail(self, error, code: str, at, value=None) -> None:
+        ours = self.carry.ours
+        first = (ours["error"] == 0) & error
+        super().fail(error, code, at, value)
+        # The micro-batch's number is the record's count of those presented.
+        ours["error_micro_batch"] = jnp.where(
+            first, self.get("micro_batches") + 1, ours["error_micro_batch"]
+        ).astype("int32")
+
+    # Primitives ---------------------------------------------------------------------
+
+    def sums(self) -> list:
+        return [self.carry.ours[accumulator_name(i)] for i in self.slots]
+
+    def dtypes(self) -> list:
+        return [self.step.variable_dtypes[i] for i in self.slots]
+
+    def all_finite(self, gradients):
+        return all_finite(gradients)
+
+    def add_sums(self, gradients, factor, accept) -> None:
+        ours = self.carry.ours
+        for i, g in zip(self.slots, gradients):
+            if g is None:
+                continue
+            name = accumulator_name(i)
+            total = ours[name]
+            if factor is not None:
+                g = g * jnp.asarray(factor).astype(g.dtype)
+            ours[name] = jnp.where(accept, total + g.astype(total.dtype), total)
+
+    def close(self, apply, close, update, finish, empty_sums=True):
+        carry = self.carry
+        apply = jnp.asarray(apply) & self.holds()
+
+        def branch(run):
+            def fn(operands):
+                carry.trainable, carry.optimizer = list(operands[0]), list(operands[1])
+                if run:
+                    update()
+                return list(carry.trainable), list(carry.optimizer)
+
+            return fn
+
+        carry.trainable, carry.optimizer = jax.lax.cond(
+            apply, branch(True), branch(False), (list(carry.trainable), list(carry.optimizer))
+        )
+        # The bookkeeping is scalars: computed, and kept where the window closes.
+        before = dict(carry.ours)
+        finish(apply)
+        for name, value in carry.ours.items():
+            if value is not before[name]:
+                carry.ours[name] = jnp.where(close, value, before[name])
+        if empty_sums:
+            for i in self.slots:
+                name = accumulator_name(i)
+                carry.ours[name] = jnp.where(close, jnp.zeros_like(carry.ours[name]),
+                                             carry.ours[name])
+        return apply
+
+    def empty_sums(self) -> None:
+        for i in self.slots:
+            name = accumulator_name(i)
+            self.carry.ours[name] = jnp.zeros_like(self.carry.ours[name])
+
+    def apply(self, gradients) -> None:
+        """The window's update: its optimizer's `stateless_apply` on its variables
+        (under loss scaling the inner optimizer's: the gradients are unscaled and
+        finite already)."""
+        carry, applier, step = self.carry, self.applier, self.step
+        optimizer, slots = applier.optimizer, applier.optimizer_slots
+        if step.loss_scaled:
+            optimizer = optimizer.inner_optimizer
+            slots = [slots[i] for i in step.inner_slots]
+        # The optimizer's own method: a model's own step has it recorded meanwhile.
+        new_variables, new_optimizer = type(optimizer).stateless_apply(
+            optimizer,
+            [carry.optimizer[i] for i in slots],
+            [None if p in applier.no_gradient else g for p, g in zip(self.slots, gradients)],
+            [carry.trainable[p] for p in self.slots],
+        )
+        for p, value in zip(self.slots, new_variables):
+            carry.trainable[p] = value
+        for i, value in zip(slots, new_optimizer):
+            carry.optimizer[i] = value
+
+    def noised(self, sums) -> list:
+        step = self.step
+        if step.privacy is None:
+            return sums
+        return privacy.noised(sums, step.privacy, step.noise_key, self.get("updates"))
+
+    def loss_scale(self):
+        step = self.step
+        if not step.loss_scaled:
+            return None
+        optimizer = self.carry.optimizer
+        return optimizer[step.counter_slot], optimizer[step.scale_slot]
+
+    def set_loss_scale(self, counter, scale) -> None:
+        step = self.step
+        self.carry.optimizer[step.counter_slot] = counter
+        self.carry.optimizer[step.scale_slot] = scale

@@ -1,0 +1,583 @@
+"""The accumulation state machine, written once with `keras.ops` for every backend.
+
+A micro-batch moves a window record (`gradaccum.core.state.WINDOW`) through these
+transitions:
+
+1. **open**: the first micro-batch of a window reads its length from the `steps`
+   schedule at the update it will make (`open_window`);
+2. **admit**: its weight (`weigh`), the non-finite policy or loss scaling's screen
+   (`screen`), loss scaling's unscale and its scale's reaction (`react`); an accepted
+   micro-batch's gradient is added to the sums with its weight, a skipped one only
+   counts towards the window's length (`admit`);
+3. **decide**: is the window due (`steps` micro-batches, the schedule's length, or a
+   weight budget reached), or did the data end inside it (`partial`: flush, carry,
+   drop)? (`due`, `decide`);
+4. **close**: one optimizer update with the combined gradient (`combine`), the
+   update recorded, the window emptied (`close`).
+
+The transitions read and write the fields of a `Record` by name, and ask it for the
+few things that differ per backend (its primitives):
+
+- where the fields and the sums live (`get`, `set`, `add`, `sums`);
+- the sum's add (`add_sums`: in place and sparse on TensorFlow, `where` on JAX);
+- conditional execution (`close`: TensorFlow's functional `If` kept whole, JAX's
+  `lax.cond`), and the optimizer update itself (`apply`);
+- the non-finite check (`all_finite`), and what an error does (`fail`: raise, or
+  record it for `fit` to raise after a compiled step that cannot);
+- the privacy noise (`noised`) and the loss scale's variables (`loss_scale`).
+
+The fit record (`gradaccum.core.state.FIT`) adds the epoch's end (`end_of_data`),
+resuming inside an epoch (`resuming`) and the loss terms' ratios (`track_terms`).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+
+from gradaccum.core import screening
+from gradaccum.core.combine import combine
+from gradaccum.core.state import ERRORS, RESET
+from gradaccum.core.window import SCHEDULE_RULE
+from gradaccum.weighting import NEGATIVE_WEIGHT, callable_weight
+
+ops = keras.ops
+
+
+class Record:
+    """One record of the state as the transitions see it: fields by name, and the
+    backend's primitives. This base keeps the fields in a dict (a functional
+    backend's values, or a test's); a backend overrides what lives elsewhere.
+
+    Args:
+        values: the fields' current values by name.
+    """
+
+    def __init__(self, values=None):
+        self.values = dict(values or {})
+
+    # Fields -------------------------------------------------------------------------
+
+    def has(self, name: str) -> bool:
+        return name in self.values
+
+    def get(self, name: str):
+        return self.values[name]
+
+    def set(self, name: str, value) -> None:
+        self.values[name] = ops.cast(value, self.values[name].dtype)
+
+    def add(self, name: str, delta) -> None:
+        value = self.get(name)
+        self.set(name, value + ops.cast(delta, value.dtype))
+
+    # Primitives ---------------------------------------------------------------------
+
+    def sums(self) -> list:
+        """The window's sums, one per variable."""
+        raise NotImplementedError
+
+    def dtypes(self) -> list:
+        """The variables' dtypes (the combined gradient's)."""
+        raise NotImplementedError
+
+    def add_sums(self, gradients, factor, accept) -> None:
+        """`sum += factor * g` per variable (`factor` None: `sum += g`) where
+        `accept`; a `None` gradient leaves its sum."""
+        raise NotImplementedError
+
+    def close(self, apply, close, update, finish, empty_sums=True):
+        """When `close` (a boolean tensor, or the Python True): `update()` when
+        `apply` and the window holds an accepted micro-batch (`holds`), then
+        `finish(applied)` (the bookkeeping, told whether the update ran), then the
+        sums emptied (unless `empty_sums` is False). Returns whether the update ran
+        (a boolean tensor)."""
+        raise NotImplementedError
+
+    def empty_sums(self) -> None:
+        """Zeroes the window's sums."""
+        raise NotImplementedError
+
+    def window_weight(self):
+        """The open window's total weight, the global window's under several
+        replicas (a budget decides alike everywhere)."""
+        return self.get("total_weight")
+
+    def holds(self):
+        """Whether the open window holds an accepted micro-batch (something to
+        apply)."""
+        return self.get("micro_step") > 0
+
+    def apply(self, gradients) -> None:
+        """One optimizer update with `gradients` (one per variable)."""
+        raise NotImplementedError
+
+    def all_finite(self, gradients):
+        """Whether every element of every gradient is finite (a boolean tensor)."""
+        raise NotImplementedError
+
+    def fail(self, error, code: str, at, value=None) -> None:
+        """`error` (a boolean tensor) says a micro-batch broke a rule (`ERRORS`'s
+        `code`) at `at`: raise, or record it for `fit` to raise."""
+        raise NotImplementedError
+
+    def cond(self, pred, true_fn, false_fn):
+        """`true_fn()` if `pred` else `false_fn()` (each returns a tensor of one
+        shape and dtype), only the one taken run: conditional execution."""
+        return true_fn() if bool(pred) else false_fn()
+
+    def checked(self, value):
+        """`value` once the record's errors so far are checked (where `fail` adds
+        an assertion, a value that waits for it)."""
+        return value
+
+    def healthy(self):
+        """Where errors are recorded rather than raised: whether none was (a boolean
+        tensor); None where an error raises."""
+        return None
+
+    def noised(self, sums) -> list:
+        """With `gradaccum.Privacy`, the window's sums with the noise of its update."""
+        return sums
+
+    def loss_scale(self):
+        """Under a LossScaleOptimizer: its `(step_counter, dynamic_scale)` values;
+        None without one."""
+        return None
+
+    def set_loss_scale(self, counter, scale) -> None:
+        raise NotImplementedError
+
+    # What the record holds of the accumulation's settings ----------------------------
+
+    #: Whether a skipped micro-batch is counted in `skipped` as it is screened (False
+    #: under several tf.distribute replicas: the update counts every replica's).
+    counts_skips = True
+    #: Whether the loss scale reacts per micro-batch (False under several replicas:
+    #: once per window, at the update).
+    reacts_now = True
+
+
+class Policy:
+    """The settings the transitions follow, from the checked options.
+
+    Args:
+        rule: the `WindowSpec` (when a window is due).
+        reduction: `"mean"` or `"sum"`.
+        nonfinite: a policy name or the user's callable.
+        partial: what the end of the data does to an open window (`"flush"`,
+            `"carry"`, `"drop"`); None where nothing ends the data (a custom loop).
+        weighting: `"exact"`, `"uniform"` or a callable; None where the caller
+            passes weights (a custom loop).
+    """
+
+    def __init__(self, rule, reduction="mean", nonfinite="skip", partial=None,
+                 weighting=None):
+        self.rule = rule
+        self.reduction = reduction
+        self.nonfinite = nonfinite
+        self.partial = partial
+        self.weighting = weighting
+
+    @property
+    def mean(self) -> bool:
+        return self.reduction == "mean"
+
+    @property
+    def raises(self) -> bool:
+        """Whether a step can meet an error (`fail`): the non-finite policy
+        "raise", a weighting or schedule callable."""
+        return (self.nonfinite == "raise" or callable(self.weighting)
+                or callable(self.rule.steps))
+
+
+# Reading -----------------------------------------------------------------------------
+
+
+def window_length(record):
+    """Micro-batches in the open window, skipped ones included."""
+    return record.get("micro_step") + record.get("window_skipped")
+
+
+def _where(condition, new, old):
+    return ops.where(condition, ops.cast(new, old.dtype), old)
+
+
+# Open and admit ------------------------------------------------------------------------
+
+
+def open_window(policy: Policy, record) -> None:
+    """A window opens with this micro-batch: its length is the schedule's at the
+    update it will make, read then only (a callable's value below 1 is an error)."""
+    rule = policy.rule
+    if not rule.scheduled:
+        return
+    opening = window_length(record) == 0
+
+    def read():
+        return ops.cast(rule.length(record.get("updates")), "int32")
+
+    def kept():
+        return ops.cast(record.get("window_steps"), "int32")
+
+    length = record.cond(opening, read, kept)
+    if callable(rule.steps):
+        record.fail(opening & (length < 1), "schedule", at=record.get("updates"),
+                    value=length)
+        length = ops.maximum(length, 1)
+    record.set("window_steps", length)
+
+
+def weigh(policy: Policy, x, y, sample_weight, normalizers, record, *, warn=True):
+    """`w_i` of a micro-batch: 1 (uniform), the user's callable (a negative value is
+    an error, and counts as 0), the compiled loss's normalizer (exact), else the
+    micro-batch's size (with a warning once where `warn`: gradaccum's own step found
+    no compiled loss). A float32 scalar."""
+    weighting = policy.weighting
+    if weighting == "uniform":
+        return ops.convert_to_tensor(1.0, "float32")
+    if callable(weighting):
+        weight = callable_weight(weighting, x, y, sample_weight)
+        record.fail(weight < 0, "negative_weight", at=window_length(record) + 1)
+        return record.checked(ops.maximum(weight, 0.0))
+    if not normalizers:
+        if warn:
+            warn_no_compiled_loss()
+        first = next(t for t in keras.tree.flatten(x) if t is not None)
+        return ops.cast(ops.shape(first)[0], "float32")
+    return ops.cast(normalizers[0], "float32")
+
+
+def screen(policy: Policy, record, gradients, loss_scaled: bool = False):
+    """Whether the micro-batch is accumulated (a boolean tensor): its gradients are
+    finite (`"skip"`, `"raise"`, and always under loss scaling), or the user's
+    `nonfinite` callable keeps it; every micro-batch under `"apply"`. A non-finite
+    gradient under `"raise"` (without loss scaling) is an error."""
+    nonfinite = policy.nonfinite
+    if loss_scaled:
+        # An overflow is expected now and then: always skipped, never raised.
+        accept = record.all_finite(gradients)
+        if callable(nonfinite):
+            accept = accept & ~screening.user_skip(nonfinite, gradients)
+        return accept
+    if nonfinite == "apply":
+        return ops.convert_to_tensor(True)
+    if callable(nonfinite):
+        return ~screening.user_skip(nonfinite, gradients)
+    finite = record.all_finite(gradients)
+    if nonfinite == "raise":
+        record.fail(~finite, "nonfinite", at=window_length(record) + 1)
+    return record.checked(finite)
+
+
+def react(record, accepted, growth_steps: int, grows: bool = True):
+    """Loss scaling's reaction to one micro-batch (when the record reacts at once):
+    the scale halves on an overflow, and (where `grows`: else the caller counts
+    the finite steps, once per batch in split mode on JAX, as Keras counts them)
+    grows after `growth_steps` accepted micro-batches in a row, as Keras's
+    LossScaleOptimizer counts its steps. Returns the factor that unscales the
+    micro-batch's gradient (1 / the scale it was computed with)."""
+    counter, scale = record.loss_scale()
+    factor = 1.0 / ops.cast(scale, "float32")
+    if record.reacts_now:
+        if grows:
+            counter, scale = reacted(counter, scale, accepted, growth_steps)
+        else:
+            backed = backed_off(counter, scale)
+            counter = _where(accepted, counter, backed[0])
+            scale = _where(accepted, scale, backed[1])
+        record.set_loss_scale(counter, scale)
+    return factor
+
+
+def reacted(counter, scale, accepted, growth_steps: int):
+    """`(counter, scale)` after one step: grown by one finite step where
+    `accepted`, backed off where not."""
+    grown = grown_by(counter, scale, 1, growth_steps)
+    backed = backed_off(counter, scale)
+    return _where(accepted, grown[0], backed[0]), _where(accepted, grown[1], backed[1])
+
+
+def grown_by(counter, scale, steps, growth_steps: int):
+    """`(counter, scale)` after `steps` finite steps: the scale doubles each time the
+    count of finite steps in a row reaches `growth_steps`."""
+    total = ops.cast(counter, "int32") + ops.cast(steps, "int32")
+    doublings = total // growth_steps
+    scale = scale * ops.cast(ops.power(2.0, ops.cast(doublings, "float32")), scale.dtype)
+    return ops.cast(total % growth_steps, counter.dtype), scale
+
+
+def backed_off(counter, scale):
+    """`(counter, scale)` after a step with a non-finite gradient."""
+    return ops.zeros_like(counter), scale * ops.cast(0.5, scale.dtype)
+
+
+def admit(policy: Policy, record, gradients, weight, accept, factor=None,
+          direct: bool = False) -> None:
+    """Adds an accepted micro-batch to the window: its gradients times `factor`
+    (None: as they are, weighted already) to the sums, its weight to the total; a
+    skipped one counts towards the window's length only. `direct`: the window is
+    this one micro-batch, whose gradients go to the update as they are (no sums)."""
+    if not direct:
+        record.add_sums(gradients, factor, accept)
+    taken = ops.cast(accept, "int32")
+    record.add("micro_batches", 1)
+    record.add("micro_step", taken)
+    record.add("window_skipped", 1 - taken)
+    if record.counts_skips:
+        record.add("skipped", 1 - taken)
+    total = record.get("total_weight")
+    record.set("total_weight", total + ops.where(accept, ops.cast(weight, total.dtype), 0))
+    if record.has("received"):
+        received = record.get("received")
+        given = ops.convert_to_tensor([float(g is not None) for g in gradients],
+                                      received.dtype)
+        record.set("received", received + given * ops.cast(accept, received.dtype))
+
+
+def track_terms(fit, record, normalizers) -> None:
+    """Several loss terms weigh a window exactly with one weight only while their
+    normalizers keep the same ratios across it: a window where they differ marks
+    the fit `inexact` (warned once)."""
+    kept = fit.get("term_ratios")
+    if not normalizers or len(normalizers) < 2 or not kept.shape[0]:
+        return
+    first = ops.cast(normalizers[0], "float32")
+    ratios = ops.stack([ops.divide_no_nan(ops.cast(n, "float32"), first)
+                        for n in normalizers[1:]])[: kept.shape[0]]
+    opening = window_length(record) == 0
+    differs = ops.any(ops.abs(ratios - kept) > 1e-6 * ops.abs(kept))
+    fit.set("inexact", fit.get("inexact") | (~opening & differs))
+    fit.set("term_ratios", _where(opening, ratios, kept))
+
+
+# Decide -------------------------------------------------------------------------------
+
+
+def due(policy: Policy, record, total_weight=None):
+    """Whether the open window is due: it holds `steps` micro-batches (the
+    schedule's length for it), or its total weight (the record's `window_weight`
+    unless given) reached the budget. False without a rule."""
+    rule = policy.rule
+    if rule.weight_per_update is not None:
+        weight = record.window_weight() if total_weight is None else total_weight
+        return weight >= ops.cast(rule.weight_per_update, weight.dtype)
+    length = window_length(record)
+    if rule.constant is not None:
+        return length >= rule.constant
+    if rule.scheduled:
+        return (length > 0) & (length >= record.get("window_steps"))
+    return ops.convert_to_tensor(False)
+
+
+def end_of_data(fit):
+    """Whether the micro-batch just seen is the last of the epoch's data (its
+    length known)."""
+    length = fit.get("epoch_length")
+    return (length > 0) & (fit.get("epoch_step") >= length)
+
+
+def decide(policy: Policy, is_due, end=None, ok=None):
+    """`(apply, close)` for the open window: it closes when due or, at the end of
+    the data (`end`), as `partial` says (`"flush"` applies it, `"drop"` discards
+    it, `"carry"` keeps it open); it applies when it closes (`"drop"`: when it is
+    due), if it holds an accepted micro-batch (the record's `close` tells). `ok`:
+    False after an error, which closes nothing."""
+    close = is_due
+    if end is not None and policy.partial in ("flush", "drop"):
+        close = close | end
+    if ok is not None:
+        close = close & ok
+    apply = close
+    if end is not None and policy.partial == "drop":
+        apply = apply & is_due
+    return apply, close
+
+
+# Close --------------------------------------------------------------------------------
+
+
+def combined(policy: Policy, record, sums=None, total_weight=None) -> list:
+    """G from the window's sums (the record's unless given: the global window's
+    under several replicas) with the privacy noise of its update, one tensor per
+    variable in its dtype."""
+    sums = record.noised(record.sums() if sums is None else sums)
+    weight = record.get("total_weight") if total_weight is None else total_weight
+    return combine(sums, weight, policy.reduction, record.dtypes())
+
+
+def close(policy: Policy, record, apply, close, gradients=None, fit=None):
+    """When `close`: one update with G when `apply` and the window holds an
+    accepted micro-batch (the micro-batch's own `gradients` where given: a window of
+    one micro-batch, which skipped the sums), recorded; the window emptied. `fit`:
+    the fit record whose `largest_window` follows the windows applied (privacy).
+    Returns whether an update happened."""
+
+    def update():
+        if gradients is None:
+            record.apply(combined(policy, record))
+        else:
+            record.apply([None if g is None else ops.cast(g, dtype)
+                          for g, dtype in zip(gradients, record.dtypes())])
+
+    def finish(applied):
+        recorded(record, applied, window_length(record), record.get("total_weight"), fit)
+        emptied(record)
+
+    return record.close(apply, close, update, finish, empty_sums=gradients is None)
+
+
+def recorded(record, apply, micro_batches, weight, fit=None) -> None:
+    """Counts an update (where `apply`) and remembers what its window held: its
+    micro-batches (skipped ones included) and total weight."""
+    record.add("updates", ops.cast(apply, "int32"))
+    record.set("last_window_micro_batches",
+               _where(apply, micro_batches, record.get("last_window_micro_batches")))
+    record.set("last_window_weight",
+               _where(apply, weight, record.get("last_window_weight")))
+    if fit is not None and fit.has("largest_window"):
+        largest = fit.get("largest_window")
+        fit.set("largest_window",
+                _where(apply, ops.maximum(largest, ops.cast(weight, largest.dtype)),
+                       largest))
+
+
+def emptied(record) -> None:
+    """The window's fields zeroed (its sums are the record's `close` to empty)."""
+    for name in RESET:
+        if record.has(name):
+            record.set(name, ops.zeros_like(record.get(name)))
+
+
+# A micro-batch, whole -------------------------------------------------------------------
+
+
+def micro_batch(policy: Policy, record, gradients, weight, *, weighted=False,
+                loss_scale=None, grows=True, end=None, fit=None, direct=False,
+                closes=True):
+    """One micro-batch's gradients through the window: open, screen, admit, and
+    (where `closes`) decide and close. Returns whether it was accepted.
+
+    Args:
+        gradients: one per variable (None: no gradient for it).
+        weight: the micro-batch's `w_i`.
+        weighted: the gradients carry the weight already (the step differentiated
+            `w_i * L_i`).
+        loss_scale: the LossScaleOptimizer's `dynamic_growth_steps` when the loss
+            was scaled (the gradients are unscaled here), else None.
+        grows: whether the loss scale's growth counts this micro-batch (`react`).
+        end: whether the data ends with this micro-batch (a boolean tensor), or
+            None where nothing ends it.
+        fit: the fit record (`largest_window`), or None.
+        direct: a window of one micro-batch: applied from `gradients` as they are.
+        closes: whether this call may close the window (False: `accumulate` only).
+    """
+    open_window(policy, record)
+    accept = screen(policy, record, gradients, loss_scaled=loss_scale is not None)
+    factor = None
+    if loss_scale is not None:
+        factor = react(record, accept, loss_scale, grows)
+        if policy.mean and not weighted:
+            factor = factor * ops.cast(weight, "float32")
+    elif policy.mean and not (weighted or direct):
+        factor = weight
+    ok = record.healthy() if policy.raises else None
+    if ok is not None:
+        # A step that cannot raise recorded an error: nothing of this micro-batch
+        # is accumulated, and no window closes (fit raises after the call).
+        accept = accept & ok
+    admit(policy, record, gradients, weight, accept, factor, direct=direct)
+    if not closes:
+        return accept
+    if direct:
+        closing = ops.convert_to_tensor(True) if ok is None else ok
+        close(policy, record, accept, closing, gradients=gradients, fit=fit)
+        return accept
+    apply, closing = decide(policy, due(policy, record), end, ok)
+    close(policy, record, apply, closing, fit=fit)
+    return accept
+
+
+def apply_now(policy: Policy, record, condition=True, fit=None):
+    """Closes the open window when `condition`, applying it if it holds an
+    accepted micro-batch (a partial window normalized by its own weights). Returns
+    whether an update happened."""
+    condition = ops.convert_to_tensor(condition)
+    return close(policy, record, condition, condition, fit=fit)
+
+
+def reset(record) -> None:
+    """Empties the open window, applying nothing."""
+    emptied(record)
+    record.empty_sums()
+
+
+def drop(record):
+    """Discards the open window if it holds a micro-batch (a window the data ended
+    in, `partial="drop"`). Returns whether there was one."""
+    nonempty = window_length(record) > 0
+    record.close(ops.convert_to_tensor(False), nonempty, lambda: None,
+                 lambda applied: emptied(record))
+    return nonempty
+
+
+# Logs and warnings -----------------------------------------------------------------------
+
+
+def skips_possible(policy: Policy, loss_scaled: bool) -> bool:
+    """Whether a micro-batch can be skipped (then `skipped` is logged)."""
+    return policy.nonfinite != "apply" or loss_scaled
+
+
+def counters(record, iterations, skipped=None) -> dict:
+    """gradaccum's entries in `fit`'s logs, as float32 tensors: `updates` (the
+    optimizer's update count, `iterations`), `window_micro_batches` and
+    `window_weight` (what the last update's window held) and, where given, `skipped`."""
+    logs = {
+        "updates": ops.cast(iterations, "float32"),
+        "window_micro_batches": ops.cast(record.get("last_window_micro_batches"), "float32"),
+        "window_weight": ops.cast(record.get("last_window_weight"), "float32"),
+    }
+    if skipped is not None:
+        logs["skipped"] = ops.cast(skipped, "float32")
+    return logs
+
+
+def warn_inexact(stacklevel: int = 3) -> None:
+    """Several loss terms whose normalizers are not proportional across a window."""
+    warnings.warn(
+        "weighting='exact' is approximate for this model: its loss terms have "
+        "normalizers that are not proportional across the micro-batches of a "
+        "window (e.g. outputs with their own masks), so one weight per "
+        "micro-batch cannot reproduce the large-batch loss. Use equal "
+        "micro-batches, or a `weighting` callable for your normalizer.",
+        stacklevel=stacklevel,
+    )
+
+
+def warn_no_compiled_loss(stacklevel: int = 4) -> None:
+    warnings.warn(
+        "weighting='exact' found no compiled loss (only `add_loss` terms): "
+        "micro-batches are weighted by their size.",
+        stacklevel=stacklevel,
+    )
+
+
+# Errors ------------------------------------------------------------------------------------
+
+
+def error_message(code, micro_batch=None, at=None, value=None) -> str:
+    """The message of an error a step met: `code` (a name or a number of `ERRORS`),
+    the micro-batch's number among all (from 1), where it happened (its place in
+    its window, or the update index for a schedule) and the value at fault."""
+    if not isinstance(code, str):
+        code = next(name for name, number in ERRORS.items() if number == code)
+    if code == "nonfinite":
+        return screening.raise_message(micro_batch, at)
+    if code == "negative_weight":
+        return (f"{NEGATIVE_WEIGHT}. Received: a negative weight for micro-batch {at} "
+                "of its window (it was accumulated with weight 0).")
+    received = "a value < 1" if value is None else str(value)
+    return f"{SCHEDULE_RULE} Received: {received} for update_index={at}"
+

@@ -1,0 +1,176 @@
+"""`fit`'s epochs under accumulation, on every backend: gradaccum's hook, first among
+`fit`'s callbacks, and what a fit does as it starts and ends.
+
+The hook keeps the fit record's epoch fields (the epoch's length, the position in
+it, and after `BackupAndRestore` restored a position inside an epoch, the
+micro-batches to skip), closes the window the data ends in as `partial` says,
+writes the epoch's log entries and warns. It speaks to the model's accumulation
+(`gradaccum.adapter.Accumulation`) only.
+"""
+
+from __future__ import annotations
+
+import keras
+
+EMPTY_FIT = (
+    "`fit` must receive at least one micro-batch. Received: data that yielded no batch "
+    "(an empty dataset or array), so nothing was accumulated or applied."
+)
+
+
+class EpochHook(keras.callbacks.Callback):
+    """Runs first among fit's callbacks: the epoch's position and length, the window
+    the data ends in, the epoch's log entries and the warnings.
+
+    Args:
+        accumulation: the model's `gradaccum.adapter.Accumulation`.
+    """
+
+    def __init__(self, accumulation):
+        super().__init__()
+        self.accumulation = accumulation
+        # Whether this fit has epochs to run (epochs > initial_epoch).
+        self.epochs_to_run = True
+        # Batches per epoch where the backend learns it otherwise than `params`.
+        self.epoch_length = None
+        self.calls = 0
+        self.first_epoch = True
+
+    def _field(self, name):
+        accumulation = self.accumulation
+        accumulation.synced(self)
+        return accumulation.fit_field(name)
+
+    def on_train_begin(self, logs=None):
+        accumulation = self.accumulation
+        length = accumulation.epoch_length(self)
+        self._field("epoch_length").assign(int(length) if length else -1)
+        accumulation._skipped_at_start = accumulation.skipped()
+        self.first_epoch = True
+        self.calls = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        epoch_step = self._field("epoch_step")
+        if self.first_epoch and int(epoch_step.numpy()) > 0:
+            # Restored (BackupAndRestore) inside an epoch: the epoch restarts from
+            # its first batch, so skip what was already trained on.
+            self._field("resume_skip").assign(epoch_step.numpy())
+        epoch_step.assign(0)
+        self.first_epoch = False
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.calls += 1
+        self.accumulation.after_batch(self, logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        accumulation = self.accumulation
+        accumulation.synced(self)
+        accumulation.after_batch(self, logs)
+        accumulation.end_of_data()
+        self._field("epoch_step").assign(0)
+        accumulation.write_logs(logs)
+        accumulation.warn()
+
+    def on_train_end(self, logs=None):
+        self.accumulation.synced(self)
+        self.accumulation.end_of_data()
+        if self.calls == 0 and self.epochs_to_run:
+            raise ValueError(EMPTY_FIT)
+
+
+def begin_fit(accumulation, hook, epochs, callbacks, kwargs):
+    """As `fit` starts: `hook` first among the callbacks (and told whether there are
+    epochs to run), the train function made again when the fit's ability to restore
+    inside an epoch changed (the step that skips restored micro-batches costs a
+    branch per micro-batch: compiled only for fits that can restore), and the epoch
+    position at its start (BackupAndRestore may then restore one inside an epoch).
+    Returns the callbacks to give `fit`."""
+    hook.epochs_to_run = epochs > kwargs.get("initial_epoch", 0)
+    callbacks, resumable = hook_first(hook, callbacks)
+    if resumable != accumulation.resumable:
+        accumulation.resumable = resumable
+        accumulation.host.train_function = None
+    if accumulation.state is not None:
+        accumulation.fit_field("epoch_step").assign(0)
+        accumulation.fit_field("resume_skip").assign(0)
+    return callbacks
+
+
+def after_fit(accumulation, failed: bool = False) -> None:
+    """When a fit ends, however it ends (an error, an interrupt): no epoch runs
+    outside it, so windows close by their rule only (`train_on_batch`); the fit's
+    epoch length would otherwise close one at every micro-batch past it.
+    `failed`: the fit raised, and its error is the one to see (Keras's JAX trainer
+    may have taken the variables' values into its step and not given them back)."""
+    if accumulation.state is None:
+        return
+    try:
+        accumulation.fit_field("epoch_length").assign(-1)
+        accumulation.fit_field("epoch_step").assign(0)
+    except Exception:
+        if not failed:
+            raise
+
+
+def hook_first(hook, callbacks):
+    """`fit`'s callbacks with gradaccum's `hook` first, and whether they can restore
+    inside an epoch (a `BackupAndRestore` among them).
+
+    A caller's `CallbackList` is left as it is (the hook runs first, then the list,
+    through `_Forward`); a plain list gets the hook in front.
+    """
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        listed = callbacks.callbacks
+        callbacks = keras.callbacks.CallbackList([hook, _Forward(callbacks)])
+    else:
+        callbacks = [hook, *(callbacks or [])]
+        listed = callbacks
+    resumable = any(isinstance(cb, keras.callbacks.BackupAndRestore) for cb in listed)
+    return callbacks, resumable
+
+
+class _Forward(keras.callbacks.Callback):
+    """Passes every callback event on to a caller's `CallbackList`, untouched."""
+
+    def __init__(self, callbacks):
+        super().__init__()
+        self._callbacks = callbacks
+
+    def set_model(self, model):
+        pass  # the caller's list keeps the model and params it was given
+
+    def set_params(self, params):
+        pass
+
+
+for _event in [name for name in dir(keras.callbacks.Callback) if name.startswith("on_")]:
+    setattr(
+        _Forward,
+        _event,
+        lambda self, *args, _event=_event, **kwargs: getattr(self._callbacks, _event)(
+            *args, **kwargs
+        ),
+    )
+
+
+def size_chosen(accumulation) -> None:
+    """`micro_batch_size="auto"` ran a batch: the host's `micro_batch_size` follows
+    the search (`accumulation.auto_size`), which says once (when `fit` is verbose)
+    where it settled."""
+    search = accumulation.auto_size
+    accumulation.host.__dict__["micro_batch_size"] = search.chosen
+    # Said when a size that ran out of memory decided it (and again if the search
+    # later settles elsewhere); without a failure nothing is split.
+    if (search.settled and search.fails is not None
+            and accumulation.announced != search.chosen):
+        accumulation.announced = search.chosen
+        verbose = accumulation.verbose
+        if verbose:
+            failed = ", ".join(str(size) for size in search.failures)
+            reason = f" ({failed} ran out of memory)" if failed else ""
+            # On a line of its own, after the progress bar's.
+            start = "\n" if verbose in (1, "auto") else ""
+            print(
+                f'{start}gradaccum: micro_batch_size="auto" settled on '
+                f"{search.chosen} samples per micro-batch{reason}."
+            )
