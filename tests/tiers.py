@@ -108,6 +108,9 @@ FEATURES = {
     "every backend: the state machine, transition by transition":
         "contract/test_transitions.py::test_a_window_of_three_applies_the_weighted_mean_once_and_resets",
     # The JAX suite (tests/jax_backend, its own process with KERAS_BACKEND=jax).
+    "JAX: GradientAccumulator in a custom loop":
+        "jax_backend/test_jax_accumulator.py::"
+        "test_unequal_micro_batches_equal_one_step_on_each_window",
     "JAX: a due window lands where a model's own step applies it":
         "jax_backend/test_jax_own_step.py::test_at_steps_1_a_step_in_the_dcgan_order_is_plain_keras",
     "JAX: split mode":

@@ -18,7 +18,11 @@ from gradaccum import _backend
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "GradientAccumulator": "gradaccum.backends.tensorflow.accumulator",
+    # One per backend (Keras's decides).
+    "GradientAccumulator": {
+        "tensorflow": "gradaccum.backends.tensorflow.accumulator",
+        "jax": "gradaccum.backends.jax.accumulator",
+    },
     "AccumulatingModel": "gradaccum.keras_model",
     "BatchNormalization": "gradaccum.backends.tensorflow.batch_norm",
     "convert_batch_normalization": "gradaccum.backends.tensorflow.batch_norm",

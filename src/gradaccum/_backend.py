@@ -21,7 +21,6 @@ ADAPTERS = {
 ONLY_ON = {
     "BatchNormalization": ("tensorflow",),
     "CountingCrossDeviceOps": ("tensorflow",),
-    "GradientAccumulator": ("tensorflow",),
     "convert_batch_normalization": ("tensorflow",),
 }
 # How the messages name each backend.

@@ -1,0 +1,285 @@
+"""`GradientAccumulator` on JAX: accumulation for a custom training loop, in the
+style of Keras's `optimizer.stateless_apply`.
+
+The accumulator's state is a list of `keras.Variable`s (`variables`: a sum per
+variable, and the window's fields packed in two vectors); a jitted step takes their
+values and returns new ones, as it does the model's and the optimizer's. What a
+micro-batch does to the window is `gradaccum.core.transitions`, the state machine
+`fit` runs on every backend.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import keras
+import numpy as np
+
+from gradaccum._validation import (
+    accumulator_dtype_name,
+    check_choice,
+    check_nonfinite,
+    check_optimizer,
+    check_variables,
+    check_weight_value,
+)
+from gradaccum.backends.jax.own_step import Applier
+from gradaccum.backends.jax.record import Carry, LossScaling, WindowRecord
+from gradaccum.backends.jax.state import Packed
+from gradaccum.core import transitions as tr
+from gradaccum.core.combine import REDUCTIONS
+from gradaccum.core.state import ERROR_FIELDS, FIT, WINDOW, accumulator_name, fields
+
+__all__ = ["GradientAccumulator"]
+
+
+class GradientAccumulator(Packed):
+    """Accumulates micro-batch gradients in a JAX training loop and applies their
+    combination, statelessly.
+
+    A window of micro-batches with gradients `g_i` and weights `w_i` becomes one
+    update with `G = sum_i w_i g_i / sum_i w_i` (reduction `"mean"`), the gradient on
+    the concatenated window when `w_i` is the micro-batch's loss normalizer. The
+    state is arrays, as Keras's optimizer's in `stateless_apply`: take
+    `[v.value for v in acc.variables]`, pass them through your jitted step with the
+    model's and the optimizer's, and assign them back when the loop ends.
+
+    - `stateless_step(optimizer, grads, trainable, optimizer_variables,
+      accumulator_variables, weight=n)` adds a micro-batch and, when its window is
+      due, makes one optimizer update (the optimizer's `stateless_apply`, inside a
+      `lax.cond`: its math runs only when a window closes). Returns the three lists.
+    - `stateless_accumulate(grads, accumulator_variables, weight=n)` only adds.
+    - `stateless_apply(optimizer, trainable, optimizer_variables,
+      accumulator_variables)` applies what the open window holds (a partial window
+      at the end of the data, normalized by its own weights) and empties it.
+
+    With a `keras.optimizers.LossScaleOptimizer`, pass gradients of the loss it
+    scaled (`optimizer.scale_loss` in a `keras.StatelessScope` mapping its variables
+    to `optimizer_variables`): each micro-batch is unscaled into the float32 sums,
+    an overflowing one is skipped and the scale backs off, and the window is applied
+    with the inner optimizer.
+
+    Args:
+        variables: the trainable variables whose gradients are accumulated, in the
+            order of the gradient lists passed to `stateless_step` (the optimizer
+            must be built with them).
+        steps: micro-batches per window: an integer >= 1, sorted `(from_update, k)`
+            pairs starting at 0, or a callable `update_index -> int` traceable by JAX
+            (`jnp.where`, not a Python `if`). A window's length is read when it
+            opens.
+        weight_per_update: instead of `steps`, a weight budget: a window closes at
+            the first micro-batch after which its total weight reaches it.
+        reduction: `"mean"` (default) or `"sum"` (`G = sum_i g_i`, weights ignored).
+        accumulator_dtype: the sums' dtype, float32 by default whatever the
+            gradients' (bfloat16 gradients lose nothing).
+        nonfinite: a micro-batch whose gradient holds an inf or a nan is `"skip"`ped
+            (default: dropped with its weight, counted in `skipped`), `"apply"`ed as
+            it is, or `"raise"`s: eagerly at once, inside `jax.jit` (where nothing
+            can raise) skipped and recorded, raised by `check`. Or a callable
+            `gradients -> bool` (True skips the micro-batch).
+        name: the name scope of the state's variables.
+
+    Raises:
+        ValueError: an empty variable list, invalid `steps` (or a schedule that
+            gives something else than an integer >= 1 for update 0),
+            `weight_per_update` <= 0 or with `steps`, an unknown `reduction` or
+            `nonfinite`, a non-floating `accumulator_dtype`.
+
+    Example:
+
+    >>> import os; os.environ["KERAS_BACKEND"] = "jax"
+    >>> import jax, keras, numpy as np, gradaccum
+    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    >>> optimizer = keras.optimizers.SGD(0.1)
+    >>> optimizer.build(model.trainable_variables)
+    >>> acc = gradaccum.GradientAccumulator(model.trainable_variables, steps=2)
+    >>> def loss_fn(trainable, non_trainable, x, y):
+    ...     pred, _ = model.stateless_call(trainable, non_trainable, x)
+    ...     return keras.ops.mean((pred - y) ** 2)
+    >>> @jax.jit
+    ... def train_step(state, x, y):
+    ...     trainable, non_trainable, optimizer_vars, acc_vars = state
+    ...     grads = jax.grad(loss_fn)(trainable, non_trainable, x, y)
+    ...     trainable, optimizer_vars, acc_vars = acc.stateless_step(
+    ...         optimizer, grads, trainable, optimizer_vars, acc_vars, weight=x.shape[0])
+    ...     return trainable, non_trainable, optimizer_vars, acc_vars
+    >>> state = ([v.value for v in model.trainable_variables],
+    ...          [v.value for v in model.non_trainable_variables],
+    ...          [v.value for v in optimizer.variables],
+    ...          [v.value for v in acc.variables])
+    >>> x, y = np.ones((12, 3), "float32"), np.zeros((12, 1), "float32")
+    >>> for start in (0, 4, 8):  # micro-batches of 4, 4 and 4
+    ...     state = train_step(state, x[start:start + 4], y[start:start + 4])
+    >>> trainable, non_trainable, optimizer_vars, acc_vars = state
+    >>> trainable, optimizer_vars, acc_vars = acc.stateless_apply(
+    ...     optimizer, trainable, optimizer_vars, acc_vars)  # the partial window of 1
+    >>> for variable, value in zip(acc.variables, acc_vars):
+    ...     _ = variable.assign(value)
+    >>> int(acc.updates.numpy()), int(acc.micro_step.numpy())
+    (2, 0)
+    """
+
+    def __init__(self, variables, *, steps=None, weight_per_update=None, reduction="mean",
+                 accumulator_dtype="float32", nonfinite="skip",
+                 name="gradient_accumulator"):
+        from gradaccum.backends.jax.fit import WindowRule
+
+        variables = check_variables(variables)
+        self._rule = WindowRule(steps, weight_per_update)
+        self.reduction = check_choice("reduction", reduction, REDUCTIONS)
+        self.accumulator_dtype = accumulator_dtype_name(accumulator_dtype)
+        self.nonfinite = check_nonfinite(nonfinite)
+        self.policy = tr.Policy(self._rule, self.reduction, self.nonfinite)
+        self.target_variables = tuple(variables)
+        weight_dtype = "float64" if self.accumulator_dtype == "float64" else "float32"
+        declared = [(field.name, field) for field in fields(WINDOW, without=("received",))]
+        declared += [(field.name, field) for field in FIT if field.name in ERROR_FIELDS]
+        initial = self.layout(declared, 0, weight_dtype)
+        with keras.name_scope(name):
+            self.accumulators = [
+                keras.Variable(np.zeros(v.shape, self.accumulator_dtype), trainable=False,
+                               name=accumulator_name(i))
+                for i, v in enumerate(variables)
+            ]
+            self.counts = keras.Variable(np.asarray(initial["counts"], "int32"),
+                                         trainable=False, name="counts")
+            self.weights = keras.Variable(np.asarray(initial["weights"], weight_dtype),
+                                          trainable=False, name="weights")
+
+    @property
+    def steps(self):
+        """Micro-batches per window: an int, the schedule as given (a callable, or
+        the pairs as a tuple), or None."""
+        return self._rule.steps
+
+    @property
+    def weight_per_update(self) -> float | None:
+        """The weight budget of a window (None: not a budget)."""
+        return self._rule.weight_per_update
+
+    @property
+    def variables(self) -> list:
+        """The state's variables, in the order the stateless methods take their
+        values: the sums, then `counts` and `weights`."""
+        return [*self.accumulators, self.counts, self.weights]
+
+    # The stateless verbs -----------------------------------------------------------------
+
+    def stateless_step(self, optimizer, grads, trainable_variables, optimizer_variables,
+                       accumulator_variables, weight=1.0):
+        """Adds one micro-batch and, when its window is due, applies it.
+
+        Args:
+            optimizer: a built Keras optimizer (a `LossScaleOptimizer` for gradients
+                of a scaled loss).
+            grads: one gradient per variable (None: no gradient for it in this
+                micro-batch).
+            trainable_variables: the variables' values.
+            optimizer_variables: the optimizer's variables' values
+                (`optimizer.variables`' order).
+            accumulator_variables: the accumulator's values (`variables`' order).
+            weight: the micro-batch's `w_i` (its size, its token count), >= 0.
+
+        Returns:
+            `(trainable_variables, optimizer_variables, accumulator_variables)`.
+        """
+        if self.steps is None and self.weight_per_update is None:
+            raise ValueError(
+                "`steps` or `weight_per_update` must be given to use `stateless_step`. "
+                "Received: steps=None, weight_per_update=None. Pass one of them to "
+                "GradientAccumulator, or call `stateless_accumulate` and "
+                "`stateless_apply` yourself."
+            )
+        return self._run(optimizer, grads, trainable_variables, optimizer_variables,
+                         accumulator_variables, weight, closes=True)
+
+    def stateless_accumulate(self, grads, accumulator_variables, weight=1.0):
+        """Adds one micro-batch without applying anything (gradients of an unscaled
+        loss); returns the accumulator's values."""
+        trainable = [jnp.zeros((), "float32")] * len(self.target_variables)
+        return self._run(None, grads, trainable, [], accumulator_variables, weight,
+                         closes=False)[2]
+
+    def stateless_apply(self, optimizer, trainable_variables, optimizer_variables,
+                        accumulator_variables):
+        """Applies the open window (full or partial, normalized by its own weights)
+        and empties it; nothing with an empty window. Returns
+        `(trainable_variables, optimizer_variables, accumulator_variables)`."""
+        check_optimizer(optimizer)
+        carry, record = self._carry(optimizer, trainable_variables, optimizer_variables,
+                                    accumulator_variables)
+        tr.apply_now(self.policy, record, True)
+        return self._returned(carry)
+
+    def check(self, accumulator_variables=None) -> None:
+        """Raises the error a jitted step recorded (a non-finite gradient under
+        `nonfinite="raise"`, a schedule's value below 1), from `accumulator_variables`
+        (default: the state's variables)."""
+        values = accumulator_variables or [v.value for v in self.variables]
+        window = self.unpack(dict(zip(self.carried(), values)))
+        error = int(window["error"])
+        if error:
+            message = tr.error_message(error, int(window["error_micro_batch"]),
+                                       int(window["error_at"]))
+            raise (FloatingPointError if error == 1 else ValueError)(message)
+
+    # Internals ----------------------------------------------------------------------------
+
+    def _carry(self, optimizer, trainable, optimizer_variables, accumulator_variables):
+        """The step's values and the window record over them."""
+        trainable, optimizer_variables = list(trainable), list(optimizer_variables)
+        accumulator_variables = list(accumulator_variables)
+        if len(accumulator_variables) != len(self.variables):
+            raise ValueError(
+                "`accumulator_variables` must be the values of the accumulator's "
+                f"`variables` ({len(self.variables)}). Received: "
+                f"{len(accumulator_variables)} values."
+            )
+        ours = self.unpack(dict(zip(self.carried(), accumulator_variables)))
+        carry = Carry(trainable, [], optimizer_variables, [], ours)
+        applier = Applier(optimizer, tuple(range(len(optimizer_variables))),
+                          tuple(range(len(trainable))))
+        return carry, WindowRecord(carry, _Owner(self, optimizer), applier)
+
+    def _run(self, optimizer, grads, trainable, optimizer_variables, accumulator_variables,
+             weight, closes):
+        grads = list(grads)
+        if len(grads) != len(self.target_variables):
+            raise ValueError(
+                f"`grads` must have one entry per variable ({len(self.target_variables)})."
+                f" Received: {len(grads)} gradients."
+            )
+        if closes:
+            check_optimizer(optimizer)
+        carry, record = self._carry(optimizer, trainable, optimizer_variables,
+                                    accumulator_variables)
+        if not isinstance(weight, jax.core.Tracer):
+            # Checked where it is concrete (a traced weight is the caller's, as a
+            # symbolic one in a `tf.function` is on TensorFlow).
+            check_weight_value(weight)
+        weight = jnp.reshape(jnp.asarray(weight, "float32"), ())
+        growth = record.step.growth_steps if record.step.loss_scaled else None
+        tr.micro_batch(self.policy, record, grads, weight, loss_scale=growth,
+                       closes=closes)
+        return self._returned(carry)
+
+    def _returned(self, carry):
+        accumulated = self.pack(carry.ours)
+        values = [accumulated[name] for name in self.carried()]
+        if not any(isinstance(v, jax.core.Tracer) for v in values):
+            # Eagerly (outside jax.jit) an error raises at once.
+            self.check(values)
+        return carry.trainable, carry.optimizer, values
+
+
+class _Owner(LossScaling):
+    """What a window record needs of its step (`record.WindowRecord`), for one call
+    of a `GradientAccumulator` with `optimizer`."""
+
+    # Nothing of privacy in a custom loop.
+    privacy = None
+    noise_key = None
+
+    def __init__(self, accumulator: GradientAccumulator, optimizer):
+        super().__init__(optimizer)
+        self.variable_dtypes = [v.dtype for v in accumulator.target_variables]
