@@ -83,6 +83,8 @@ class Accumulation(abc.ABC):
         self.policy = options.policy()
         self.layers = layers
         self.host = None
+        # The backend's state, None before it is made (the first training).
+        self.state = None
         # The host's own `train_step` (bound; None: Keras's default step).
         self.own_train_step = None
         # What the compiled losses record their normalizers into (exact weighting).
@@ -193,15 +195,6 @@ class Accumulation(abc.ABC):
 
     # The state ------------------------------------------------------------------------
 
-    @property
-    def state(self):
-        """The backend's state, None before it is made (the first training)."""
-        return self._state
-
-    @state.setter
-    def state(self, value) -> None:
-        self._state = value
-
     @abc.abstractmethod
     def ensure_state(self) -> None:
         """Makes the state (before the train function is made), with any values
@@ -255,8 +248,17 @@ class Accumulation(abc.ABC):
         variable)."""
 
     @abc.abstractmethod
+    def window_values(self, name: str) -> list:
+        """A window record's field `name` in each window (Python ints)."""
+
     def open_micro_batches(self) -> int:
-        """Micro-batches in the open window (0 without a state)."""
+        """Micro-batches in the open window (0 without a state): every optimizer's
+        window saw the same micro-batches, the longest counts."""
+        if self.state is None:
+            return 0
+        return max((int(a) + int(b) for a, b in zip(self.window_values("micro_step"),
+                                                     self.window_values("window_skipped"))),
+                   default=0)
 
     def forget(self) -> None:
         """Drops the state (a new compile): it is made again before training, with
@@ -311,9 +313,9 @@ class Accumulation(abc.ABC):
         update count of the optimizer `updates` counts (the model's, or the first
         its own step hands gradients to), what its last update's window held."""
 
-    @abc.abstractmethod
     def skipped(self) -> int:
         """Micro-batches skipped for a non-finite gradient, over the windows."""
+        return 0 if self.state is None else sum(self.window_values("skipped"))
 
     def inexact(self) -> bool:
         """Whether a window's loss terms had normalizers of other ratios."""

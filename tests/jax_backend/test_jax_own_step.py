@@ -424,6 +424,20 @@ def test_a_due_window_lands_where_the_step_applies_it():
     assert_optimizer_close(model.opt_b, reference.opt_b)
 
 
+def test_an_optimizer_swapped_in_after_the_state_was_made_is_named():
+    x, y = data(8)
+    model = _gan(dict(steps=2))
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    model.opt_b = keras.optimizers.SGD(0.1)
+    model.opt_b.build(model.net_b.trainable_variables)
+    with pytest.raises(ValueError, match=re.escape(
+        "gradaccum keeps a window for each optimizer the model holds when it is "
+        "compiled. Received: `self.opt_b` in TwoOptimizers.train_step, an optimizer the "
+        "model did not hold then; assign it before `compile` (or compile again)."
+    )):
+        model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+
+
 class OptimizersInAList(TwoOptimizers):
     """Keeps its two optimizers in a list attribute."""
 

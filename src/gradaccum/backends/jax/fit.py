@@ -154,23 +154,9 @@ class Accumulation(adapter.Accumulation):
         # One set of sums, whichever record's window each belongs to.
         return [("", self._variables, ())]
 
-    def open_micro_batches(self) -> int:
-        """Micro-batches in the open window (0 without a state)."""
-        if self.state is None:
-            return 0
+    def window_values(self, name: str) -> list:
         named = self.state.named()
-        # Every optimizer's window saw the same micro-batches: the longest.
-        return max(sum(int(named[window_prefix(j) + name].numpy())
-                       for name in ("micro_step", "window_skipped"))
-                   for j in range(self.state.records))
-
-    def _appliers(self) -> dict:
-        """The optimizer that applies each window record, by record: Keras's step's
-        one, or those a model's own step handed gradients to (the model's optimizer
-        before its step first ran)."""
-        if self.step is not None and self.step.appliers:
-            return self.step.appliers
-        return {0: None}
+        return [int(named[window_prefix(j) + name].numpy()) for j in range(self.state.records)]
 
     # fit ----------------------------------------------------------------------------
 
@@ -323,14 +309,6 @@ class Accumulation(adapter.Accumulation):
         return (optimizer.iterations.numpy(),
                 named[prefix + "last_window_micro_batches"].numpy(),
                 named[prefix + "last_window_weight"].numpy())
-
-    def skipped(self) -> int:
-        """Micro-batches skipped for a non-finite gradient, over the windows."""
-        if self.state is None:
-            return 0
-        named = self.state.named()
-        return sum(int(named[window_prefix(j) + "skipped"].numpy())
-                   for j in self._appliers())
 
     # The audit and privacy ------------------------------------------------------------
 

@@ -180,9 +180,17 @@ class Handover:
         self.accepted = []
 
     def recorder(self, name, optimizer):
-        index = self.step.optimizers.index(optimizer)
+        known = [i for i, other in enumerate(self.step.optimizers) if other is optimizer]
 
         def stateless_apply(optimizer_variables, grads, trainable_variables):
+            if not known:
+                raise ValueError(
+                    "gradaccum keeps a window for each optimizer the model holds when "
+                    f"it is compiled. Received: `self.{name}` in {self.step_name}, an "
+                    "optimizer the model did not hold then; assign it before `compile` "
+                    "(or compile again)."
+                )
+            index = known[0]
             if index in self.appliers:
                 raise ValueError(
                     "On Keras's JAX backend a model's own `train_step` must hand its "

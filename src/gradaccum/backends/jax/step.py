@@ -76,7 +76,7 @@ class TrainStep:
         # Keras's default step applies the model's optimizer (record 0) to all the
         # state; a model's own step hands its gradients to optimizers of its own,
         # read from the step as it is traced (`appliers`, by record).
-        self.optimizers = [o for _, o in kc.named_optimizers(model)]
+        self.optimizers = [o for _, o in kc.named_optimizers(model)][: state.records]
         self.appliers = {0: Applier.whole(optimizer, len(model.trainable_variables))}
         self.appliers_known = own_step is None
         self.variable_dtypes = [v.dtype for v in model.trainable_variables]

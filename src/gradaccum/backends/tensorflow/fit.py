@@ -285,13 +285,8 @@ class Accumulation(adapter.Accumulation):
         pairs += [(f"own_{j}_", acc) for j, (acc, _) in enumerate(state.own)]
         return [(prefix, acc.target_variables, ("received",)) for prefix, acc in pairs]
 
-    def open_micro_batches(self) -> int:
-        """Micro-batches in the open window (0 without a state)."""
-        if self.state is None:
-            return 0
-        # Every optimizer's window saw the same micro-batches: the longest.
-        return max((int(acc.window_length().numpy()) for acc in self.state.accumulators()),
-                   default=0)
+    def window_values(self, name: str) -> list:
+        return [int(getattr(acc.state, name).numpy()) for acc in self.state.accumulators()]
 
     # Logs --------------------------------------------------------------------------
 
@@ -303,9 +298,6 @@ class Accumulation(adapter.Accumulation):
             window["window_micro_batches"].numpy() if window else 0,
             window["window_weight"].numpy() if window else 0,
         )
-
-    def skipped(self) -> int:
-        return 0 if self.state is None else self.state.skipped
 
     def repeat_warning(self) -> str | None:
         return self.own_step.repeat_warning()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import tensorflow as tf
 
 from gradaccum._validation import NONFINITE, check_nonfinite  # noqa: F401 (re-exported)
-from gradaccum.backends.tensorflow.branching import rare_cond
 from gradaccum.core.screening import RAISE_WORDS  # noqa: F401 (re-exported)
 
 
@@ -21,14 +20,14 @@ def all_finite(gradients):
 
     One sum per gradient decides in the usual case (an inf or a nan makes its sum
     non-finite). A sum that is not finite may also come from a finite gradient whose
-    float32 sum overflows: only then does an element-wise check decide (a branch not
-    walked when not taken), so the screen costs one pass and reports no false
-    positive.
+    float32 sum overflows: only then does an element-wise check decide, so the screen
+    costs one pass and reports no false positive. (A lowered `tf.cond`: the usual path
+    runs no function call; the element-wise branch's few nodes are walked as dead.)
     """
     if not any(g is not None for g in gradients):
         return tf.constant(True)
-    return rare_cond(sums_finite(gradients), lambda: tf.constant(True),
-                     lambda: elementwise_finite(gradients))
+    return tf.cond(sums_finite(gradients), lambda: tf.constant(True),
+                   lambda: elementwise_finite(gradients))
 
 
 def sums_finite(gradients):

@@ -152,11 +152,6 @@ class FitState(tf.Module):
             acc for acc, _ in self.own
         ]
 
-    @property
-    def skipped(self) -> int:
-        """Micro-batches skipped for a non-finite gradient, over all accumulators."""
-        return sum(int(acc.skipped.numpy()) for acc in self.accumulators())
-
     def saved_variables(self) -> dict[str, tf.Variable]:
         """What a saved model keeps of the state, under stable names."""
         named = {} if self.accumulator is None else self.accumulator.state_variables()
