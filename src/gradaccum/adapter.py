@@ -98,9 +98,10 @@ class Accumulation(abc.ABC):
         # What `fit` was given (the "auto" search speaks when it is verbose).
         self.verbose = 0
         self.announced = None
+        # Micro-batches skipped before the running fit began (its hook sets it).
+        self.skipped_at_start = 0
         self._pending = {}
         self._warned = set()
-        self._skipped_at_start = 0
 
     # The doors --------------------------------------------------------------------
 
@@ -356,7 +357,7 @@ class Accumulation(abc.ABC):
         if self.inexact() and "inexact" not in self._warned:
             self._warned.add("inexact")
             tr.warn_inexact(stacklevel=4)
-        skipped = self.skipped() - self._skipped_at_start
+        skipped = self.skipped() - self.skipped_at_start
         if (self.options.nonfinite == "skip" and skipped > 0 and not self.loss_scaled()
                 and "skipped" not in self._warned):
             self._warned.add("skipped")

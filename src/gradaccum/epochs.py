@@ -45,7 +45,7 @@ class EpochHook(keras.callbacks.Callback):
         accumulation = self.accumulation
         length = accumulation.epoch_length(self)
         self._field("epoch_length").assign(int(length) if length else -1)
-        accumulation._skipped_at_start = accumulation.skipped()
+        accumulation.skipped_at_start = accumulation.skipped()
         self.first_epoch = True
         self.calls = 0
 

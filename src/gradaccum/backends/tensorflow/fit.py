@@ -138,7 +138,7 @@ class Accumulation(adapter.Accumulation):
         if self.options.nonfinite == "raise" and self.host.jit_compile:
             # XLA compiles the step's assertion away (the micro-batch is skipped
             # instead): raise here, after the compiled call.
-            skipped = self.skipped() - self._skipped_at_start
+            skipped = self.skipped() - self.skipped_at_start
             if skipped:
                 raise tf.errors.InvalidArgumentError(
                     None, None, compiled_raise_message(skipped)
