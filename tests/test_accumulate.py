@@ -189,6 +189,18 @@ def test_two_optimizers_each_update_once_per_window():
     assert any(o is model.opt_a for o in owners) and any(o is model.opt_b for o in owners)
 
 
+def test_a_micro_batch_both_optimizers_skip_counts_once():
+    x, y = data(24)
+    x[5, 0] = np.nan  # micro-batch 2 of 6: not finite for both networks
+    model = seeded(TwoOptimizers())
+    gradaccum.accumulate(model, steps=3)
+    model.compile(keras.optimizers.Adam(0.05), keras.optimizers.SGD(0.2, momentum=0.5))
+    with pytest.warns(UserWarning, match="skipped 1 micro-batch"):
+        history = model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert history.history["skipped"] == [1.0]
+    assert int(model.opt_a.iterations) == int(model.opt_b.iterations) == 2
+
+
 class DCGANOrder(TwoOptimizers):
     """keras.io's DCGAN order: the step applies `opt_a`, then differentiates
     `net_b`'s loss through `net_a`'s new weights."""

@@ -143,6 +143,26 @@ def test_fit_on_two_replicas_equals_one_device_adam_epochs_partial_window(door):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+def test_partial_drop_on_two_replicas_equals_one_device(door):
+    # 7 micro-batches of 8 per epoch with steps=3: two windows, then one micro-batch
+    # dropped at each epoch's end (no optimizer applies it: no update to trace).
+    strategy = mirrored()
+    x, y = data(50)
+    windows, _ = plan_windows(50, 8, 3, epochs=2, partial="drop")
+    ref = mlp()
+    ref.compile(keras.optimizers.Adam(0.02), SCE)
+    reference_fit(ref, windows, x, y)
+    with strategy.scope():
+        model = mlp()
+        trainer = trainer_of(door, model, steps=3, partial="drop")
+        trainer.compile(keras.optimizers.Adam(0.02), SCE)
+    history = trainer.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert history.history["updates"] == [2.0, 4.0]
+    assert int(state_of(door, trainer).accumulator.micro_step.numpy()) == 0
+    for a, b in zip(model.get_weights(), ref.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_a_replica_share_with_a_non_finite_gradient_is_dropped_with_its_weight(door):
     """nonfinite="skip" screens each replica's share: the poisoned share (rows 0-3 of
     the first micro-batch, on replica 0) is dropped, the other replica's share of

@@ -15,6 +15,7 @@ import inspect
 
 import keras
 from keras.src.backend.common.masking import get_keras_mask  # noqa: F401 (re-exported)
+from keras.src.backend.common.stateless_scope import get_stateless_scope
 from keras.src.losses.loss import (  # noqa: F401 (re-exported)
     apply_mask,
     squeeze_or_expand_to_same_rank,
@@ -32,9 +33,14 @@ PRIVATE_PIECES = (
     (keras.layers.Layer, "_flatten_layers", ("include_self", "recursive")),
     (Trainer, "_compute_loss", ("x", "y", "y_pred", "sample_weight", "training")),
     (Trainer, "_symbolic_build", ("iterator", "data_batch")),
+    (keras.src.backend.common.stateless_scope, "get_stateless_scope", ()),
+    (keras.src.backend.common.stateless_scope.StatelessScope, "get_current_value",
+     ("variable",)),
+    (keras.src.backend.common.stateless_scope.StatelessScope, "add_update", ("update",)),
 )
 
-# Instance attributes read (checked on live objects by the tests): Model's
+# Instance attributes read (checked on live objects by the tests): an optimizer's
+# `_trainable_variables` (the variables it was built with, in order); Model's
 # `_call_has_training_arg`, `_loss_tracker`, `_compile_loss` (with `_flat_losses` or
 # `_user_loss`), `_compile_config` (a SerializableDict with `.config`) and
 # `_metrics` (the list `Model.metrics` extends; a CompileLoss's `_metrics` holds the
@@ -122,13 +128,17 @@ def named_optimizers(model) -> list:
     it by: `optimizer` first, then its other attributes (a GAN's `d_optimizer`), and
     those kept in a list or dict attribute (`opts[1]`, `extra['b']`)."""
     candidates = [("optimizer", getattr(model, "optimizer", None))]
-    for name, value in vars(model).items():
+    # TensorFlow's trackable bookkeeping (`_self_unconditional_dependency_names`)
+    # holds every attribute again: the model's own names come from its attributes.
+    attributes = [(name, value) for name, value in vars(model).items()
+                  if not name.startswith("_self_")]
+    candidates += [(name, value) for name, value in attributes
+                   if not isinstance(value, (dict, list, tuple))]
+    for name, value in attributes:
         if isinstance(value, dict):
             candidates += [(f"{name}[{key!r}]", item) for key, item in value.items()]
         elif isinstance(value, (list, tuple)):
             candidates += [(f"{name}[{index}]", item) for index, item in enumerate(value)]
-        else:
-            candidates.append((name, value))
     found = []
     for name, optimizer in candidates:
         if is_optimizer(optimizer) and all(optimizer is not other for _, other in found):
@@ -172,3 +182,37 @@ def loss_metrics_set_aside(compile_loss):
         yield
     finally:
         metrics[:] = saved
+
+
+def built_variables(optimizer) -> list:
+    """The variables a built optimizer updates, in the order it was built with."""
+    return list(optimizer._trainable_variables)
+
+
+@contextlib.contextmanager
+def stateless_updating_only(optimizer, keep):
+    """Within the block (a stateless `optimizer.stateless_apply`), the optimizer's
+    per-variable step changes a variable's slots only where `keep` (a dict of
+    boolean tensors by `id` of the variables it was built with) holds: what the step
+    assigned is kept or reverted with a `where`, decided at run time. (The variable
+    itself the caller keeps or reverts.)"""
+    update_step = optimizer.update_step
+
+    def masked_step(gradient, variable, learning_rate):
+        scope = get_stateless_scope()
+        watched = [variable, *optimizer.variables]
+        before = [scope.get_current_value(v) for v in watched]
+        update_step(gradient, variable, learning_rate)
+        kept = keep.get(id(variable))
+        if kept is None:
+            return
+        for watched_variable, old in zip(watched, before):
+            new = scope.get_current_value(watched_variable)
+            if old is not None and new is not old:
+                scope.add_update((watched_variable, keras.ops.where(kept, new, old)))
+
+    optimizer.update_step = masked_step
+    try:
+        yield
+    finally:
+        del optimizer.update_step

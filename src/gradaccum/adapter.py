@@ -315,8 +315,11 @@ class Accumulation(abc.ABC):
         its own step hands gradients to), what its last update's window held."""
 
     def skipped(self) -> int:
-        """Micro-batches skipped for a non-finite gradient, over the windows."""
-        return 0 if self.state is None else sum(self.window_values("skipped"))
+        """Micro-batches skipped for a non-finite gradient: every optimizer's window
+        saw the same micro-batches, the one that skipped most counts."""
+        if self.state is None:
+            return 0
+        return max(self.window_values("skipped"), default=0)
 
     def inexact(self) -> bool:
         """Whether a window's loss terms had normalizers of other ratios."""

@@ -257,6 +257,14 @@ def test_a_callable_weight_below_zero_fails_and_counts_as_zero():
     assert record.failures == [("negative_weight", 1)]
 
 
+def test_a_callable_weight_of_nan_fails_as_a_negative_one_does():
+    record = DictRecord()
+    policy = tr.Policy(WindowSpec(steps=2), weighting=lambda x, y, sw: float("nan"))
+    weight = tr.weigh(policy, np.ones((2, 1)), None, None, [], record)
+    assert float(weight) == 0.0
+    assert record.failures == [("negative_weight", 1)]
+
+
 def test_exact_weighting_takes_the_first_normalizer_or_the_size_with_a_warning():
     record = DictRecord()
     policy = tr.Policy(WindowSpec(steps=2), weighting="exact")
@@ -293,8 +301,8 @@ def test_the_error_messages():
         "The `steps` callable must return an integer >= 1. Received: 0 for update_index=3"
     )
     assert tr.error_message(2, at=4) == (
-        "The `weighting` callable must return a weight >= 0. Received: a negative weight "
-        "for micro-batch 4 of its window (it was accumulated with weight 0)."
+        "The `weighting` callable must return a weight >= 0. Received: a negative or nan "
+        "weight for micro-batch 4 of its window (it was accumulated with weight 0)."
     )
 
 

@@ -253,6 +253,70 @@ def test_nonfinite_raise_raises_eagerly_and_is_recorded_under_jit():
         acc.check(recorded)
 
 
+def test_a_variable_a_window_gave_no_gradient_is_left_out_of_its_update():
+    # Window 2 hands None for the first layer: as Keras leaves out a None gradient,
+    # that layer takes no step, no slot change and no weight decay.
+    model = mlp(0)
+    optimizer = keras.optimizers.AdamW(0.05, weight_decay=0.5)
+    optimizer.build(model.trainable_variables)
+    acc = gradaccum.GradientAccumulator(model.trainable_variables, steps=2)
+    rng = np.random.default_rng(0)
+    grads = [[jnp.asarray(rng.normal(size=v.shape), "float32")
+              for v in model.trainable_variables] for _ in range(4)]
+    for i in (2, 3):
+        grads[i][0] = grads[i][1] = None
+    step = jax.jit(lambda s, g: acc.stateless_step(optimizer, g, *s, weight=2.0))
+    state = ([v.value for v in model.trainable_variables],
+             [v.value for v in optimizer.variables], [v.value for v in acc.variables])
+    for g in grads:
+        state = step(state, g)
+    reference = mlp(0)
+    expected = keras.optimizers.AdamW(0.05, weight_decay=0.5)
+    expected.build(reference.trainable_variables)
+    for window in (grads[:2], grads[2:]):
+        mean = [None if a is None else (a + b) / 2 for a, b in zip(*window)]
+        pairs = [(g, v) for g, v in zip(mean, reference.trainable_variables) if g is not None]
+        expected.apply([g for g, _ in pairs], [v for _, v in pairs])
+    for value, variable in zip(state[0], reference.trainable_variables):
+        np.testing.assert_allclose(np.asarray(value), variable.numpy(), rtol=1e-5, atol=1e-6)
+    for value, variable in zip(state[1], expected.variables):
+        np.testing.assert_allclose(np.asarray(value), variable.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_recorded_error_skips_its_micro_batch_only_and_clear_resets_it():
+    model = mlp(0)
+    optimizer = keras.optimizers.SGD(0.1)
+    optimizer.build(model.trainable_variables)
+    acc = gradaccum.GradientAccumulator(model.trainable_variables, steps=2,
+                                        nonfinite="raise")
+    good = [jnp.ones(v.shape) for v in model.trainable_variables]
+    bad = [jnp.full(v.shape, jnp.nan) for v in model.trainable_variables]
+    step = jax.jit(lambda s, g: acc.stateless_step(optimizer, g, *s, weight=1.0))
+    state = ([v.value for v in model.trainable_variables],
+             [v.value for v in optimizer.variables], [v.value for v in acc.variables])
+    for g in (bad, good, good, good):
+        state = step(state, g)
+    with pytest.raises(FloatingPointError, match="micro-batch 1"):
+        acc.check(state[2])
+    # The bad micro-batch counted towards its window (skipped); the loop went on.
+    cleared = acc.clear(state[2])
+    acc.check(cleared)
+    for variable, value in zip(acc.variables, cleared):
+        variable.assign(value)
+    assert int(acc.skipped.numpy()) == 1 and int(acc.updates.numpy()) == 2
+    iterations = next(i for i, v in enumerate(optimizer.variables)
+                      if v is optimizer.iterations)
+    assert int(np.asarray(state[1][iterations])) == 2
+
+
+def test_float64_sums_need_jaxs_64_bit_mode():
+    with pytest.raises(ValueError, match=re.escape(
+            "`accumulator_dtype` must be a dtype JAX computes in: float64 needs "
+            "jax.config.update('jax_enable_x64', True)")):
+        gradaccum.GradientAccumulator(mlp(0).trainable_variables, steps=2,
+                                      accumulator_dtype="float64")
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(steps=0), "`steps` must be an integer >= 1, a list of `(from_update, k)` pairs "
                     "or a callable `update_index -> int`. Received: steps=0"),

@@ -54,8 +54,8 @@ def test_a_negative_weight_from_the_weighting_callable():
     model = gradaccum.accumulate(mlp(), steps=2, weighting=lambda x, y, sw: -1.0)
     model.compile("sgd", SCE)
     with pytest.raises(ValueError, match=re.escape(
-        "The `weighting` callable must return a weight >= 0. Received: a negative weight "
-        "for micro-batch 1 of its window"
+        "The `weighting` callable must return a weight >= 0. Received: a negative or nan "
+        "weight for micro-batch 1 of its window"
     )):
         model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
 

@@ -438,6 +438,16 @@ def test_an_optimizer_swapped_in_after_the_state_was_made_is_named():
         model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
 
 
+def test_a_micro_batch_both_optimizers_skip_counts_once():
+    x, y = data(24)
+    x[5, 0] = np.nan  # micro-batch 2 of 6: not finite for both networks
+    model = _gan(dict(steps=3))
+    with pytest.warns(UserWarning, match="skipped 1 micro-batch"):
+        history = model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert history.history["skipped"] == [1.0]
+    assert int(model.opt_a.iterations) == int(model.opt_b.iterations) == 2
+
+
 class OptimizersInAList(TwoOptimizers):
     """Keeps its two optimizers in a list attribute."""
 

@@ -230,8 +230,8 @@ def open_window(policy: Policy, record) -> None:
 
 
 def weigh(policy: Policy, x, y, sample_weight, normalizers, record, *, warn=True):
-    """`w_i` of a micro-batch: 1 (uniform), the user's callable (a negative value is
-    an error, and counts as 0), the compiled loss's normalizer (exact), else the
+    """`w_i` of a micro-batch: 1 (uniform), the user's callable (a value below 0 or
+    nan is an error, and counts as 0), the compiled loss's normalizer (exact), else the
     micro-batch's size (with a warning once where `warn`: gradaccum's own step found
     no compiled loss). A float32 scalar."""
     weighting = policy.weighting
@@ -239,8 +239,9 @@ def weigh(policy: Policy, x, y, sample_weight, normalizers, record, *, warn=True
         return ops.convert_to_tensor(1.0, "float32")
     if callable(weighting):
         weight = callable_weight(weighting, x, y, sample_weight)
-        record.fail(weight < 0, "negative_weight", at=window_length(record) + 1)
-        return record.checked(ops.maximum(weight, 0.0))
+        valid = weight >= 0  # False for a negative weight and for nan
+        record.fail(~valid, "negative_weight", at=window_length(record) + 1)
+        return record.checked(ops.where(valid, weight, 0.0))
     if not normalizers:
         if warn:
             warn_no_compiled_loss()
@@ -576,8 +577,8 @@ def error_message(code, micro_batch=None, at=None, value=None) -> str:
     if code == "nonfinite":
         return screening.raise_message(micro_batch, at)
     if code == "negative_weight":
-        return (f"{NEGATIVE_WEIGHT}. Received: a negative weight for micro-batch {at} "
-                "of its window (it was accumulated with weight 0).")
+        return (f"{NEGATIVE_WEIGHT}. Received: a negative or nan weight for micro-batch "
+                f"{at} of its window (it was accumulated with weight 0).")
     received = "a value < 1" if value is None else str(value)
     return f"{SCHEDULE_RULE} Received: {received} for update_index={at}"
 

@@ -16,7 +16,6 @@ import keras
 import numpy as np
 
 from gradaccum._validation import (
-    accumulator_dtype_name,
     check_choice,
     check_nonfinite,
     check_optimizer,
@@ -28,7 +27,7 @@ from gradaccum.backends.jax.record import Carry, LossScaling, WindowRecord
 from gradaccum.backends.jax.state import Packed
 from gradaccum.core import transitions as tr
 from gradaccum.core.combine import REDUCTIONS
-from gradaccum.core.state import ERROR_FIELDS, FIT, WINDOW, accumulator_name, fields
+from gradaccum.core.state import ERROR_FIELDS, FIT, WINDOW, accumulator_name
 
 __all__ = ["GradientAccumulator"]
 
@@ -122,19 +121,20 @@ class GradientAccumulator(Packed):
     def __init__(self, variables, *, steps=None, weight_per_update=None, reduction="mean",
                  accumulator_dtype="float32", nonfinite="skip",
                  name="gradient_accumulator"):
-        from gradaccum.backends.jax.fit import WindowRule
+        from gradaccum.backends.jax.fit import WindowRule, check_accumulator_dtype
 
         variables = check_variables(variables)
         self._rule = WindowRule(steps, weight_per_update)
         self.reduction = check_choice("reduction", reduction, REDUCTIONS)
-        self.accumulator_dtype = accumulator_dtype_name(accumulator_dtype)
+        self.accumulator_dtype = check_accumulator_dtype(accumulator_dtype)
         self.nonfinite = check_nonfinite(nonfinite)
         self.policy = tr.Policy(self._rule, self.reduction, self.nonfinite)
         self.target_variables = tuple(variables)
         weight_dtype = "float64" if self.accumulator_dtype == "float64" else "float32"
-        declared = [(field.name, field) for field in fields(WINDOW, without=("received",))]
+        # `received`: a gradient may be missing in some micro-batches only.
+        declared = [(field.name, field) for field in WINDOW]
         declared += [(field.name, field) for field in FIT if field.name in ERROR_FIELDS]
-        initial = self.layout(declared, 0, weight_dtype)
+        initial = self.layout(declared, 0, weight_dtype, variables=len(variables))
         with keras.name_scope(name):
             self.accumulators = [
                 keras.Variable(np.zeros(v.shape, self.accumulator_dtype), trainable=False,
@@ -212,16 +212,36 @@ class GradientAccumulator(Packed):
         return self._returned(carry)
 
     def check(self, accumulator_variables=None) -> None:
-        """Raises the error a jitted step recorded (a non-finite gradient under
-        `nonfinite="raise"`, a schedule's value below 1), from `accumulator_variables`
-        (default: the state's variables)."""
-        values = accumulator_variables or [v.value for v in self.variables]
-        window = self.unpack(dict(zip(self.carried(), values)))
+        """Raises the first error a jitted step recorded (a non-finite gradient under
+        `nonfinite="raise"`, a schedule's value below 1) in `accumulator_variables`
+        (default: the state's variables). The micro-batch that met it was skipped;
+        to go on after catching the error, continue with `clear(...)`'s values."""
+        window = self._unpacked(accumulator_variables)
         error = int(window["error"])
         if error:
             message = tr.error_message(error, int(window["error_micro_batch"]),
                                        int(window["error_at"]))
             raise (FloatingPointError if error == 1 else ValueError)(message)
+
+    def clear(self, accumulator_variables=None):
+        """`accumulator_variables` (default: the state's variables, cleared in place)
+        with no error recorded; returns them."""
+        values = (list(accumulator_variables) if accumulator_variables is not None
+                  else [v.value for v in self.variables])
+        window = self._unpacked(values)
+        for field in ERROR_FIELDS:
+            window[field] = jnp.zeros_like(window[field])
+        packed = self.pack(window)
+        values = [packed[name] for name in self.carried()]
+        if accumulator_variables is None:
+            for variable, value in zip(self.variables, values):
+                variable.assign(value)
+        return values
+
+    def _unpacked(self, accumulator_variables):
+        values = (list(accumulator_variables) if accumulator_variables is not None
+                  else [v.value for v in self.variables])
+        return self.unpack(dict(zip(self.carried(), values)))
 
     # Internals ----------------------------------------------------------------------------
 
@@ -279,6 +299,9 @@ class _Owner(LossScaling):
     # Nothing of privacy in a custom loop.
     privacy = None
     noise_key = None
+    # A recorded error (`check`) stops nothing: the micro-batch that met it was
+    # skipped, and the loop goes on, as after a caught error on TensorFlow.
+    gates_errors = False
 
     def __init__(self, accumulator: GradientAccumulator, optimizer):
         super().__init__(optimizer)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from gradaccum import _keras_common as kc
 from gradaccum import adapter
+from gradaccum._validation import accumulator_dtype_name
 from gradaccum.adapter import Findings
 from gradaccum.backends.jax import retry
 from gradaccum.backends.jax.record import Carry, FitRecord
@@ -54,15 +55,20 @@ class Options(CoreOptions):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if self.accumulator_dtype == "float64":
-            import jax
+        check_accumulator_dtype(self.accumulator_dtype)
 
-            if not jax.config.jax_enable_x64:
-                raise ValueError(
-                    "`accumulator_dtype` must be a dtype JAX computes in: float64 needs "
-                    "jax.config.update('jax_enable_x64', True) before the model is made "
-                    "(without it JAX keeps float32). Received: accumulator_dtype='float64'"
-                )
+
+def check_accumulator_dtype(accumulator_dtype) -> str:
+    """The accumulator dtype's name, refused where JAX does not compute in it
+    (float64 without 64-bit mode)."""
+    name = accumulator_dtype_name(accumulator_dtype)
+    if name == "float64" and not jax.config.jax_enable_x64:
+        raise ValueError(
+            "`accumulator_dtype` must be a dtype JAX computes in: float64 needs "
+            "jax.config.update('jax_enable_x64', True) before the model is made "
+            "(without it JAX keeps float32). Received: accumulator_dtype='float64'"
+        )
+    return name
 
 
 def check_model(model) -> None:

@@ -93,7 +93,10 @@ class FitRecord(Record):
         return jax.lax.cond(pred, lambda: true_fn(), lambda: false_fn())
 
     def healthy(self):
-        """No error recorded: the micro-batch may accumulate and close windows."""
+        """No error recorded: the micro-batch may accumulate and close windows (None
+        where an error stops nothing: a custom loop's)."""
+        if not getattr(self, "gates_errors", True):
+            return None
         return self.carry.ours["error"] == 0
 
 
@@ -118,6 +121,9 @@ class WindowRecord(FitRecord):
         self.applier = applier
         self.prefix = prefix
         self.slots = applier.variable_slots
+        # `fit` raises a recorded error after the call, and nothing trains until
+        # then; a custom loop's step goes on (`GradientAccumulator.check`).
+        self.gates_errors = getattr(step, "gates_errors", True)
 
     # Fields: this record's under its prefix, the fit record's as they are.
 
@@ -208,13 +214,26 @@ class WindowRecord(FitRecord):
         if step.loss_scaled:
             optimizer = optimizer.inner_optimizer
             slots = [slots[i] for i in step.inner_slots]
-        # The optimizer's own method: a model's own step has it recorded meanwhile.
-        new_variables, new_optimizer = type(optimizer).stateless_apply(
-            optimizer,
+        arguments = (
             [carry.optimizer[i] for i in slots],
             [None if p in applier.no_gradient else g for p, g in zip(self.slots, gradients)],
             [carry.trainable[p] for p in self.slots],
         )
+        # The optimizer's own method: a model's own step has it recorded meanwhile.
+        if not self.has("received"):
+            new_variables, new_optimizer = type(optimizer).stateless_apply(optimizer,
+                                                                           *arguments)
+        else:
+            # Where a gradient may be missing at run time (a custom loop): a variable
+            # the window gave none is left out of the update, as Keras leaves out a
+            # None gradient (no step, no slot change, no decay).
+            received = self.get("received") > 0
+            keep = {id(v): received[k] for k, v in enumerate(kc.built_variables(optimizer))}
+            with kc.stateless_updating_only(optimizer, keep):
+                new_variables, new_optimizer = type(optimizer).stateless_apply(optimizer,
+                                                                               *arguments)
+            new_variables = [jnp.where(received[k], new, old)
+                             for k, (new, old) in enumerate(zip(new_variables, arguments[2]))]
         for p, value in zip(self.slots, new_variables):
             carry.trainable[p] = value
         for i, value in zip(slots, new_optimizer):

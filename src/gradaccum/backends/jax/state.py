@@ -26,20 +26,21 @@ class Packed:
         weight_dtype: the dtype of the weight fields.
     """
 
-    def layout(self, declared, terms: int, weight_dtype: str) -> dict:
+    def layout(self, declared, terms: int, weight_dtype: str, variables: int = 0) -> dict:
         """Sets each field's place `(vector, start, shape, dtype)` and returns each
-        vector's initial values."""
+        vector's initial values (`terms`: a `ratios` field's length; `variables`: a
+        `per_variable` field's)."""
         self.fields = tuple(name for name, _ in declared)
         self.places = {}
         initial = {"counts": [], "weights": []}
         for name, field in declared:
-            vector = "weights" if field.kind in ("weight", "ratios") else "counts"
-            shape = (terms,) if field.kind == "ratios" else ()
-            dtype = {"ratios": "float32", "flag": "bool", "weight": weight_dtype}.get(
-                field.kind, "int32"
-            )
+            vector = ("weights" if field.kind in ("weight", "ratios", "per_variable")
+                      else "counts")
+            shape = {"ratios": (terms,), "per_variable": (variables,)}.get(field.kind, ())
+            dtype = {"ratios": "float32", "flag": "bool", "weight": weight_dtype,
+                     "per_variable": weight_dtype}.get(field.kind, "int32")
             self.places[name] = (vector, len(initial[vector]), shape, dtype)
-            initial[vector] += [field.initial] * (terms if shape else 1)
+            initial[vector] += [field.initial] * (shape[0] if shape else 1)
         return initial
 
     def __getattr__(self, name):

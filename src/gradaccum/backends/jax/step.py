@@ -375,7 +375,10 @@ class TrainStep:
         record = self.record(carry, index, applier)
         skipped = None
         if tr.skips_possible(self.policy, self.loss_scaled):
-            skipped = sum(self.record(carry, j).get("skipped") for j in self.appliers)
+            # Every optimizer's window saw the same micro-batches: the one that
+            # skipped most counts.
+            counts = [self.record(carry, j).get("skipped") for j in self.appliers]
+            skipped = counts[0] if len(counts) == 1 else jnp.max(jnp.stack(counts))
         logs = tr.counters(record, carry.optimizer[applier.iterations_slot()], skipped)
         if self.policy.raises:
             logs[ERROR_KEY] = carry.ours["error"]

@@ -121,8 +121,10 @@ def with_counters(accumulation, logs):
         {key: tf.cast(value, tf.float32) for key, value in last_window(accumulation).items()}
     )
     if tr.skips_possible(accumulation.policy, accumulation.loss_scaled()):
+        # Every optimizer's window saw the same micro-batches: the one that skipped
+        # most counts.
         counts = [tf.cast(acc.skipped, tf.float32) for acc in accumulation.state.accumulators()]
-        packed["skipped"] = tf.add_n(counts) if counts else tf.constant(0.0)
+        packed["skipped"] = tf.reduce_max(tf.stack(counts)) if counts else tf.constant(0.0)
     if packed:
         logs[PACKED + ",".join(packed)] = tf.stack(list(packed.values()))
     return logs

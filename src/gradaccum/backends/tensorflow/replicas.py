@@ -94,6 +94,9 @@ class ReplicaRecord(VariableRecord):
         apply = dist.first_local(strategy, apply)
 
         def closing():
+            if self.optimizer is None or tf.get_static_value(apply) is False:
+                # Nothing to apply (a window the data ends in, dropped): no reduction.
+                return discard()
             return tf.cond(apply, lambda: self._reduce_and_close(
                 strategy, window, update, finish, empty_sums), discard)
 
