@@ -649,10 +649,11 @@ def test_weighting_callable_returning_a_non_scalar(door):
         in str(info.value)
 
 
+@pytest.mark.parametrize("value", [-1.0, float("nan")], ids=["negative", "nan"])
 @pytest.mark.parametrize("run_eagerly", [False, True])
-def test_weighting_callable_returning_a_negative_weight(door, run_eagerly):
+def test_weighting_callable_returning_a_negative_weight(door, run_eagerly, value):
     x, y = data(8)
-    trainer = make_trainer(door, mlp(), steps=2, weighting=lambda x, y, sw: -1.0)
+    trainer = make_trainer(door, mlp(), steps=2, weighting=lambda x, y, sw: value)
     trainer.compile("sgd", SCE, run_eagerly=run_eagerly)
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match="The `weighting` callable must return a weight >= 0"):
