@@ -56,11 +56,15 @@ def compiled(name: str, workload: str, k: int, spe: int):
         optimizer = keras.optimizers.Adam(1e-3, gradient_accumulation_steps=k)
     else:
         optimizer = keras.optimizers.Adam(1e-3)
-    if name in ("accumulate", "unscreened"):
+    if name in ("accumulate", "unscreened", "unfollowed"):
         import gradaccum
 
+        # unscreened: no non-finite screen; unfollowed: Keras's BatchNormalization
+        # layers move per micro-batch (not followed through the window).
         nonfinite = "apply" if name == "unscreened" else "skip"
-        model = gradaccum.accumulate(model, steps=k, nonfinite=nonfinite)
+        moving = "micro_batch" if name == "unfollowed" else "window"
+        model = gradaccum.accumulate(model, steps=k, nonfinite=nonfinite,
+                                     moving_statistics=moving)
     elif name not in ("plain", "builtin"):
         raise ValueError(f"unknown contender {name!r}")
     model.compile(optimizer, workloads.loss(), steps_per_execution=spe)

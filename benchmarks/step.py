@@ -6,7 +6,9 @@ inside the step, apart from the fixed cost each `fit` call pays outside it.
 
 Contenders as in `equal.py` (plain fit, Keras's built-in `gradient_accumulation_steps`
 for k > 1, `accumulate`, and at every k `unscreened`: accumulate with
-`nonfinite="apply"`), each trained once through `fit` (which traces), then its step
+`nonfinite="apply"`; on `cnn_bn`, also `unfollowed`: accumulate with
+`moving_statistics="micro_batch"`, its BatchNormalization layers not followed through
+the window), each trained once through `fit` (which traces), then its step
 called directly on one batch:
 
 - JAX: the model's `train_step` jitted as Keras jits it (the state donated), called
@@ -88,7 +90,7 @@ def main(argv=None):
     import workloads
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", default="mlp", choices=("mlp", "cnn", "transformer"))
+    parser.add_argument("--workload", default="mlp", choices=workloads.WORKLOADS)
     parser.add_argument("-b", type=int, default=8, help="micro-batch size")
     parser.add_argument("-k", type=int, default=4, help="micro-batches per window")
     parser.add_argument("--calls", type=int, default=100)
@@ -97,6 +99,9 @@ def main(argv=None):
     backend = keras.backend.backend()
     x, y = workloads.data(args.workload, max(256, 4 * args.b))
     names = ["plain"] + (["builtin"] if args.k > 1 else []) + ["accumulate", "unscreened"]
+    if args.workload == "cnn_bn":
+        # Keras's BatchNormalization followed through the window, or not.
+        names.append("unfollowed")
     make = jax_caller if backend == "jax" else tf_caller
     callers = {}
     for name in names:

@@ -8,7 +8,7 @@ import platform
 import keras
 import numpy as np
 
-WORKLOADS = ("mlp", "cnn", "transformer")
+WORKLOADS = ("mlp", "cnn", "cnn_bn", "transformer")
 SEQ_LEN, VOCAB = 64, 1000
 
 
@@ -19,11 +19,15 @@ def build(name: str, seed: int = 0) -> keras.Model:
         h = keras.layers.Flatten()(inputs)
         h = keras.layers.Dense(128, activation="relu")(h)
         outputs = keras.layers.Dense(10)(h)
-    elif name == "cnn":
+    elif name in ("cnn", "cnn_bn"):
+        # cnn_bn: the same with Keras's BatchNormalization after each convolution.
+        def normalized(h):
+            return keras.layers.BatchNormalization()(h) if name == "cnn_bn" else h
+
         inputs = keras.Input((28, 28, 1))
-        h = keras.layers.Conv2D(32, 3, activation="relu")(inputs)
+        h = normalized(keras.layers.Conv2D(32, 3, activation="relu")(inputs))
         h = keras.layers.MaxPooling2D()(h)
-        h = keras.layers.Conv2D(64, 3, activation="relu")(h)
+        h = normalized(keras.layers.Conv2D(64, 3, activation="relu")(h))
         h = keras.layers.MaxPooling2D()(h)
         h = keras.layers.Flatten()(h)
         outputs = keras.layers.Dense(10)(h)
@@ -46,7 +50,7 @@ def data(name: str, n: int, seed: int = 0):
     if name == "mlp":
         x = rng.random((n, 28, 28), dtype=np.float32)
         y = rng.integers(0, 10, n)
-    elif name == "cnn":
+    elif name in ("cnn", "cnn_bn"):
         x = rng.random((n, 28, 28, 1), dtype=np.float32)
         y = rng.integers(0, 10, n)
     else:

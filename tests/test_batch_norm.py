@@ -368,3 +368,51 @@ def test_layers_must_be_keras_layers():
         "`layers` must be a Keras layer or model, or a list of them. "
         "Received: an element of type str: 'bn'"
     )
+
+
+# Keras's own layer, followed through the window (core/moving_statistics.py) -----------
+
+
+class TapeStep(keras.Model):
+    """keras.io's TensorFlow `train_step` (GradientTape, `optimizer.apply`)."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables),
+                             self.trainable_variables)
+        return {"loss": loss}
+
+
+def _followed_model(cls=keras.Model, seed=0):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((5,))
+    h = keras.layers.Dense(6, trainable=False)(inputs)
+    h = keras.layers.BatchNormalization(momentum=0.9, name="bn")(h)
+    outputs = keras.layers.Dense(3)(keras.layers.Dense(4, activation="relu")(h))
+    return cls(inputs, outputs)
+
+
+def _followed_data(n=60):
+    rng = np.random.default_rng(4)
+    x = (rng.normal(size=(n, 5)) * 3 + 1).astype("float32")
+    return x, rng.integers(0, 3, size=n).astype("int32")
+
+
+def test_keras_layer_follows_the_window_through_a_models_own_train_step():
+    x, y = _followed_data()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model = gradaccum.accumulate(_followed_model(TapeStep), steps=3)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    reference = _followed_model()
+    reference.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss)
+    for _ in range(2):
+        for window in (np.r_[0:24], np.r_[24:48], np.r_[48:60]):
+            reference.train_on_batch(x[window], y[window])
+    for name in ("moving_mean", "moving_variance"):
+        np.testing.assert_allclose(getattr(model.get_layer("bn"), name).numpy(),
+                                   getattr(reference.get_layer("bn"), name).numpy(),
+                                   rtol=1e-5, atol=1e-6)

@@ -350,6 +350,7 @@ CASES = {
     "wrap-accumulator-dtype": lambda: trainer(accumulator_dtype="int32"),
     "wrap-convert-batch-norm": lambda: trainer(convert_batch_norm="yes"),
     "wrap-nonfinite": lambda: trainer(nonfinite="ignore"),
+    "wrap-moving-statistics": lambda: trainer(moving_statistics="pooled"),
     "wrap-outside-scope": lambda: built_outside_then_in(
         two_replicas(), lambda m: gradaccum.wrap(m, steps=2)
     ),

@@ -286,6 +286,27 @@ def test_moving_statistics_of_two_replicas_equal_keras_on_the_global_window(door
     assert float(bn.window_count.numpy().max()) == 0.0  # nothing pending
 
 
+def test_keras_layers_are_named_under_replicas_and_moved_as_keras_moves_them():
+    # Keras's own layer is followed on one device and under keras.distribution; under
+    # tf.distribute replicas a warning names it and points to the window-aware layer
+    # (the test above: the global window's statistics). Keras's per-micro-batch moves
+    # stay as they are: training runs, the statistics finite and moved.
+    x, y = shifted_data(48)
+    strategy = mirrored()
+    with strategy.scope():
+        inner = keras.Sequential([keras.Input((4,)),
+                                  keras.layers.BatchNormalization(name="keras_bn"),
+                                  keras.layers.Dense(3)])
+        model = gradaccum.accumulate(inner, steps=3)
+        model.compile(keras.optimizers.SGD(0.1), SCE)
+    with pytest.warns(UserWarning, match="layers 'keras_bn' move their moving statistics "
+                      "at every micro-batch under a tf.distribute strategy of 2 replicas"):
+        model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    bn = inner.get_layer("keras_bn")
+    assert np.all(np.isfinite(bn.moving_mean.numpy()))
+    assert np.max(np.abs(bn.moving_mean.numpy())) > 1e-3
+
+
 def test_moving_statistics_with_partial_windows_over_epochs(door):
     x, y = shifted_data(56)  # 16, 16, 16, 8: windows of 3, then a partial 1 (flush)
     windows, _ = plan_windows(56, 16, 3, epochs=2)

@@ -24,8 +24,10 @@ import numpy as np
 
 from gradaccum import _keras_common as kc
 from gradaccum import epochs, saving
+from gradaccum.core import moving_statistics
 from gradaccum.core import transitions as tr
 from gradaccum.core.auto_size import AutoSize
+from gradaccum.core.moving_statistics import Follower
 from gradaccum.core.privacy import check_fit as check_private_fit
 from gradaccum.core.privacy import check_layers as check_private_layers
 from gradaccum.core.privacy import spent
@@ -102,6 +104,9 @@ class Accumulation(abc.ABC):
         self.skipped_at_start = 0
         self._pending = {}
         self._warned = set()
+        # Keras's BatchNormalization layers followed through the window
+        # (`core.moving_statistics`): found when the state is first made.
+        self.follower = None
 
     # The doors --------------------------------------------------------------------
 
@@ -200,6 +205,30 @@ class Accumulation(abc.ABC):
     def ensure_state(self) -> None:
         """Makes the state (before the train function is made), with any values
         waiting for it."""
+
+    def follow(self) -> Follower:
+        """The followed layers (`core.moving_statistics`), found in the built model
+        the first time (a warning names each layer that cannot be followed), their
+        moments observed from then on."""
+        if self.follower is None:
+            followed = []
+            if self.options.follows_moving_statistics and self.layers.built:
+                followed, refused = moving_statistics.find(self.layers)
+                if followed and self.replicas() > 1:
+                    # Each replica moves its layers from its own share: the global
+                    # window's statistics need gradaccum.BatchNormalization there.
+                    moving_statistics.warn_replicas(followed, self.replicas())
+                    followed = []
+                moving_statistics.warn_unfollowed(refused)
+            self.follower = Follower(followed)
+        self.follower.install()
+        return self.follower
+
+    def release(self) -> None:
+        """`disable`: the layers' observers removed, then the backend's `detach`."""
+        if self.follower is not None:
+            self.follower.uninstall()
+        self.detach()
 
     def check_trainable(self) -> int:
         """Before the state is made: the model trained is built, has trainable

@@ -52,6 +52,7 @@ def accumulate(
     accumulator_dtype="float32",
     nonfinite="skip",
     weight_per_update: float | None = None,
+    moving_statistics: str = "window",
     privacy=None,
 ):
     """Makes `model`'s own `fit` train with exact gradient accumulation.
@@ -196,7 +197,7 @@ def disable(model):
         else:
             accumulation.end_of_data()
     user_config = accumulation.user_compile_config
-    accumulation.detach()
+    accumulation.release()
     for name in (*_OVERRIDES, ATTRIBUTE, _SIZE):
         model.__dict__.pop(name, None)
     if user_config is not None:

@@ -22,6 +22,7 @@ import numpy as np
 from gradaccum import _keras_common as kc
 from gradaccum._validation import check_choice, check_steps
 from gradaccum.adapter import accumulation_of
+from gradaccum.core.moving_statistics import unfollowable_reason
 
 # Relative differences up to this are float32 noise (sums in another order); a
 # model computing in float16 or bfloat16 (mixed precision) has that dtype's noise.
@@ -402,12 +403,20 @@ def _causes(model, weighting, sizes, findings, added_losses, inexact) -> list:
         if layer is model:
             continue
         if isinstance(layer, keras.layers.BatchNormalization):
+            why = (None if getattr(type(layer), "_gradaccum_window_aware", False)
+                   else unfollowable_reason(layer))
+            moving = (
+                "Its moving statistics follow the window (moved once per update from "
+                "the pooled statistics, as the large batch moves them); the forward "
+                "pass is the one difference left."
+                if why is None else
+                f"Its moving statistics move per micro-batch too: it cannot follow the "
+                f"window ({why})."
+            )
             causes.append(
                 f"BatchNormalization layer {layer.name!r}: each micro-batch is normalized "
                 "with its own mean and variance, the large batch with the window's, so "
-                "the gradients differ. gradaccum.BatchNormalization (the window-aware "
-                "layer) moves the moving statistics once per window from the pooled "
-                "statistics, as the large batch does; the forward pass still differs."
+                f"the gradients differ. {moving}"
             )
         elif _draws_random_numbers(layer):
             causes.append(

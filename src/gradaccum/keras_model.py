@@ -62,6 +62,7 @@ class AccumulatingModel(keras.Model):
         convert_batch_norm: bool = False,
         nonfinite: str = "skip",
         weight_per_update: float | None = None,
+        moving_statistics: str = "window",
         privacy=None,
         **kwargs,
     ):
@@ -247,6 +248,7 @@ def wrap(
     convert_batch_norm: bool = False,
     nonfinite: str = "skip",
     weight_per_update: float | None = None,
+    moving_statistics: str = "window",
     privacy=None,
 ) -> AccumulatingModel:
     """Wraps a Keras model so that `fit()` trains it with gradient accumulation.

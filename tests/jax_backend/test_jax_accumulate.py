@@ -79,9 +79,8 @@ def test_the_state_rides_as_the_sums_and_two_vectors_and_saves_each_field(tmp_pa
 
 def test_a_skipped_micro_batch_leaves_the_batch_statistics_as_they_were():
     # Micro-batch 2 holds an inf: skipped, its BatchNormalization update is dropped
-    # with it, so the moving statistics are those of the 5 other micro-batches. (On
-    # TensorFlow Keras's layer assigns its statistics in the forward pass: the skip
-    # does not undo them there.)
+    # with it, so the moving statistics are those of the 5 other micro-batches (as on
+    # TensorFlow: tests/contract/test_moving_statistics.py).
     x, y = data(30)
     bad = x.copy()
     bad[7, 0] = np.inf

@@ -767,3 +767,39 @@ def test_split_mode_with_an_own_step_is_refused():
         "micro_batch_size=4 for model"
     )):
         gradaccum.accumulate(make(), micro_batch_size=4)
+
+
+class Normalized(GuideStep):
+    """The guide's step on a model with Keras's BatchNormalization after a frozen
+    layer (so that the runs compared feed it the same inputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen = keras.layers.Dense(6, trainable=False)
+        self.bn = keras.layers.BatchNormalization(momentum=0.9)
+
+    def call(self, x, training=False):
+        return self.out(self.hidden(self.bn(self.frozen(x), training=training)))
+
+
+def _normalized():
+    model = make(Normalized)
+    model.bn.moving_variance.assign(np.ones(6, "float32"))
+    return model
+
+
+def test_a_batch_normalization_follows_the_window_through_the_guides_step():
+    # 28 samples in micro-batches of 5 (the last of 3), steps=3, 2 epochs: the
+    # moving statistics move once per window, as the class trained on the windows.
+    x, y = data(28)
+    x = x * 3.0 + 1.0
+    model = _compile(gradaccum.accumulate(_normalized(), steps=3))
+    model.fit(x, y, batch_size=5, epochs=2, shuffle=False, verbose=0)
+    reference = _compile(_normalized())
+    for index in windows_of([5, 5, 5, 5, 5, 3], [3, 3]) * 2:
+        reference.fit(x[index], y[index], batch_size=len(index), shuffle=False, verbose=0)
+    for name in ("moving_mean", "moving_variance"):
+        np.testing.assert_allclose(np.asarray(getattr(model.bn, name)),
+                                   np.asarray(getattr(reference.bn, name)),
+                                   rtol=1e-5, atol=1e-6)
+    assert abs(float(np.asarray(model.bn.moving_mean).max())) > 1e-2

@@ -23,6 +23,7 @@ from gradaccum._validation import (
     check_window_options,
 )
 from gradaccum.core.combine import REDUCTIONS
+from gradaccum.core.moving_statistics import MODES as MOVING_MODES
 from gradaccum.core.privacy import PRIVACY_FIELDS, Privacy, check_privacy
 from gradaccum.core.privacy import check_options as check_private_options
 from gradaccum.core.window import PARTIALS, WindowSpec
@@ -81,6 +82,15 @@ OPTIONS = (
         a callable `gradients -> bool` that says which micro-batches to skip (as
         optax's `should_skip_update_fn`). Under loss scaling an overflowing
         micro-batch is always skipped and the scale backs off."""),
+    Option("moving_statistics", "window", """
+        Keras's own `BatchNormalization` layers: `"window"` (default) moves their
+        moving mean and variance once per update, from the window's pooled
+        statistics (what the window trained as one batch records), recovered from
+        each micro-batch's move; each micro-batch is still normalized with its own
+        statistics in the forward pass (ghost batch normalization). A layer that
+        cannot be followed (renorm, a custom layer that moves its own statistics) is
+        named in a warning. `"micro_batch"`: Keras's behaviour, a move per
+        micro-batch."""),
     Option("privacy", None, """
         a `gradaccum.Privacy`: differentially private training (DP-SGD), each
         example's gradient clipped, the noise added once per window (see there).
@@ -105,7 +115,7 @@ def documented(function):
     for option in OPTIONS:
         text = " ".join(option.doc.split())
         body = textwrap.wrap(f"{option.name}: {text}", width=88 - len(indent),
-                             subsequent_indent="    ")
+                             subsequent_indent="    ", break_on_hyphens=False)
         entries += [indent + line for line in body]
     function.__doc__ = "\n".join(lines[:index] + entries + lines[index + 1:])
     return function
@@ -140,7 +150,7 @@ class Options:
     def __init__(self, *, steps=None, micro_batch_size=None, max_micro_batch_size=None,
                  weight_per_update=None, weighting="exact", partial="flush",
                  reduction="mean", accumulator_dtype="float32", nonfinite="skip",
-                 privacy=None):
+                 moving_statistics="window", privacy=None):
         self.partial = check_choice("partial", partial, PARTIALS)
         self.micro_batch_size, self.max_micro_batch_size = check_window_options(
             steps, micro_batch_size, max_micro_batch_size, partial, weight_per_update
@@ -152,6 +162,8 @@ class Options:
         self.reduction = check_choice("reduction", reduction, REDUCTIONS)
         self.accumulator_dtype = accumulator_dtype_name(accumulator_dtype)
         self.nonfinite = check_nonfinite(nonfinite)
+        self.moving_statistics = check_choice("moving_statistics", moving_statistics,
+                                              MOVING_MODES)
         if self.auto and (self.weighting == "uniform" or self.reduction == "sum"):
             raise ValueError(
                 '`weighting` must be "exact" or a callable, and `reduction` "mean", '
@@ -170,6 +182,13 @@ class Options:
 
         return Policy(self.window, self.reduction, self.nonfinite, self.partial,
                       self.weighting)
+
+    @property
+    def follows_moving_statistics(self) -> bool:
+        """Whether Keras's BatchNormalization layers follow the window
+        (`moving_statistics="window"`; with windows of one micro-batch they move as
+        Keras moves them, but not for a skipped micro-batch)."""
+        return self.moving_statistics == "window"
 
     @property
     def split(self) -> bool:

@@ -33,6 +33,7 @@ resuming inside an epoch (`resuming`) and the loss terms' ratios (`track_terms`)
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import keras
 
@@ -454,6 +455,18 @@ def emptied(record) -> None:
 # A micro-batch, whole -------------------------------------------------------------------
 
 
+class Outcome(NamedTuple):
+    """What a micro-batch did to its window (each a boolean tensor or a Python
+    bool): it was `accepted`, its window `applied` an update, its window `closed`
+    (applied, or emptied without an update). `micro_batch` leaves it on the
+    record as `record.outcome`, for what follows the window beside the sums (the
+    moving statistics of batch normalization)."""
+
+    accepted: object
+    applied: object
+    closed: object
+
+
 def micro_batch(policy: Policy, record, gradients, weight, *, weighted=False,
                 loss_scale=None, grows=True, end=None, fit=None, direct=False,
                 closes=True):
@@ -490,13 +503,15 @@ def micro_batch(policy: Policy, record, gradients, weight, *, weighted=False,
         accept = accept & ok
     admit(policy, record, gradients, weight, accept, factor, direct=direct)
     if not closes:
+        record.outcome = Outcome(accept, False, False)
         return accept
     if direct:
         closing = ops.convert_to_tensor(True) if ok is None else ok
-        close(policy, record, accept, closing, gradients=gradients, fit=fit)
-        return accept
-    apply, closing = decide(policy, due(policy, record), end, ok)
-    close(policy, record, apply, closing, fit=fit)
+        applied = close(policy, record, accept, closing, gradients=gradients, fit=fit)
+    else:
+        apply, closing = decide(policy, due(policy, record), end, ok)
+        applied = close(policy, record, apply, closing, fit=fit)
+    record.outcome = Outcome(accept, applied, closing)
     return accept
 
 

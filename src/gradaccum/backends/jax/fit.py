@@ -130,13 +130,14 @@ class Accumulation(adapter.Accumulation):
         if not optimizer.built:
             optimizer.build(host.trainable_variables)
         self._variables = list(host.trainable_variables)
+        follower = self.follow()
         # A window record per optimizer the model holds (a model's own step may
         # hand gradients to any of them).
         records = len(kc.named_optimizers(host)) if self.own_train_step is not None else 1
         self.state = AccumulationState(
             self._variables, self.options.accumulator_dtype, terms=terms,
             layouts=layouts_of(self._variables), split=self.options.split,
-            private=private, records=max(1, records),
+            private=private, records=max(1, records), statistics=follower.fields(),
         )
         kc.model_metrics(host).append(self.state)
         self.restore_pending()
@@ -170,7 +171,7 @@ class Accumulation(adapter.Accumulation):
         self.ensure_state()
         if self.step is None:
             self.step = TrainStep(self.host, self.options, self.state, self.normalizers,
-                                  own_step=self.own_train_step)
+                                  own_step=self.own_train_step, follower=self.follower)
             force = True
         self.step.resumable = self.resumable
         if self.auto_size is not None:
@@ -217,7 +218,7 @@ class Accumulation(adapter.Accumulation):
         if self.step is None:
             # A window restored (load_weights) and not trained on since.
             self.step = TrainStep(self.host, self.options, self.state, self.normalizers,
-                                  own_step=self.own_train_step)
+                                  own_step=self.own_train_step, follower=self.follower)
         self.close_eagerly(apply=self.options.partial == "flush")
 
     def close_eagerly(self, apply: bool) -> bool:
@@ -239,13 +240,34 @@ class Accumulation(adapter.Accumulation):
                     stacklevel=4,
                 )
             return False
-        applied = False
-        for index, applier in sorted(step.appliers.items()):
-            applied = self._close_record(index, applier, apply) or applied
-        return applied
+        closed = [self._close_record(index, applier, apply)
+                  for index, applier in sorted(step.appliers.items())]
+        if closed and closed[0] is not None:
+            # The window's moving statistics move with its update, or are forgotten.
+            self.settle_moving_statistics(closed[0])
+        return any(bool(c) for c in closed)
 
-    def _close_record(self, index, applier, apply: bool) -> bool:
-        """`close_eagerly` for window record `index` (one jitted call)."""
+    def settle_moving_statistics(self, applied: bool) -> None:
+        """A window closed outside the step: its followed layers' moving statistics
+        moved once where `applied`, its statistics emptied."""
+        follower = self.follower
+        if not follower:
+            return
+        named = self.state.named()
+        names = [name for name, _ in follower.fields()]
+        start = [(f.layer.moving_mean.value, f.layer.moving_variance.value)
+                 for f in follower.layers]
+        statistics, values = follower.step({n: named[n].value for n in names}, start, None,
+                                           False, applied, True)
+        for name in names:
+            named[name].assign(statistics[name])
+        for f, (mean, variance) in zip(follower.layers, values):
+            f.layer.moving_mean.assign(mean)
+            f.layer.moving_variance.assign(variance)
+
+    def _close_record(self, index, applier, apply: bool) -> bool | None:
+        """`close_eagerly` for window record `index` (one jitted call): whether it
+        applied an update (None: its window was empty)."""
         step = self.step
         model = self.host
         optimizer = applier.optimizer
@@ -254,7 +276,7 @@ class Accumulation(adapter.Accumulation):
         window = self.state.unpack({name: v.value for name, v in ours.items()})
         prefix = window_prefix(index)
         if int(window[prefix + "micro_step"]) + int(window[prefix + "window_skipped"]) == 0:
-            return False
+            return None
 
         def close(trainable, optimizer_variables, window):
             carry = Carry(trainable, [], optimizer_variables, [], window)

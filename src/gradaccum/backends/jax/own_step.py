@@ -78,7 +78,7 @@ def run(step, carry, data) -> dict:
     entry_non_trainable = list(carry.non_trainable)
     handover = Handover(step, carry, data, tr.end_of_data(fit), step_name)
     step.normalizers.start()
-    with handover.recording():
+    with handover.recording(), step.follower.observing():
         logs, state = step.own_step(
             (list(carry.trainable), list(carry.non_trainable), list(carry.optimizer),
              [carry.metrics[i] for i in theirs]),
@@ -118,6 +118,10 @@ def run(step, carry, data) -> dict:
     accepted = jnp.any(jnp.stack(handover.accepted))
     carry.non_trainable = [jnp.where(accepted, new, old)
                            for new, old in zip(non_trainable_out, entry_non_trainable)]
+    # The moving statistics follow the first optimizer call's window (every
+    # optimizer's saw the same micro-batches).
+    step.follow(carry, entry_non_trainable, non_trainable_out,
+                handover.outcomes[0]._replace(accepted=accepted))
     for i, value in zip(theirs, metrics_out):
         carry.metrics[i] = value
     return dict(logs)
@@ -178,6 +182,7 @@ class Handover:
         # The record index of each optimizer the step handed gradients to, in order.
         self.appliers = {}
         self.accepted = []
+        self.outcomes = []
 
     def recorder(self, name, optimizer):
         known = [i for i, other in enumerate(self.step.optimizers) if other is optimizer]
@@ -286,6 +291,7 @@ class Handover:
             end=self.end, fit=fit,
         )
         self.accepted.append(accepted)
+        self.outcomes.append(record.outcome)
         return ([carry.trainable[p] for p in applier.variable_slots],
                 [carry.optimizer[i] for i in applier.optimizer_slots])
 

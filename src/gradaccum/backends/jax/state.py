@@ -8,6 +8,7 @@ import keras
 import numpy as np
 
 from gradaccum.core.state import ERRORS, FIT, WINDOW, accumulator_name, fields
+from gradaccum.core.state import Field as StateField
 
 
 class Packed:
@@ -26,19 +27,24 @@ class Packed:
         weight_dtype: the dtype of the weight fields.
     """
 
-    def layout(self, declared, terms: int, weight_dtype: str, variables: int = 0) -> dict:
+    def layout(self, declared, terms: int, weight_dtype: str, variables: int = 0,
+               channels=None) -> dict:
         """Sets each field's place `(vector, start, shape, dtype)` and returns each
         vector's initial values (`terms`: a `ratios` field's length; `variables`: a
-        `per_variable` field's)."""
+        `per_variable` field's; `channels`: a `per_channel` field's, by name)."""
+        channels = channels or {}
         self.fields = tuple(name for name, _ in declared)
         self.places = {}
         initial = {"counts": [], "weights": []}
         for name, field in declared:
-            vector = ("weights" if field.kind in ("weight", "ratios", "per_variable")
+            vector = ("weights" if field.kind in ("weight", "ratios", "per_variable",
+                                                  "per_channel")
                       else "counts")
-            shape = {"ratios": (terms,), "per_variable": (variables,)}.get(field.kind, ())
+            shape = {"ratios": (terms,), "per_variable": (variables,),
+                     "per_channel": (channels.get(name, 0),)}.get(field.kind, ())
             dtype = {"ratios": "float32", "flag": "bool", "weight": weight_dtype,
-                     "per_variable": weight_dtype}.get(field.kind, "int32")
+                     "per_variable": weight_dtype,
+                     "per_channel": "float32"}.get(field.kind, "int32")
             self.places[name] = (vector, len(initial[vector]), shape, dtype)
             initial[vector] += [field.initial] * (shape[0] if shape else 1)
         return initial
@@ -116,7 +122,7 @@ class AccumulationState(Packed, keras.metrics.Metric):
     ERRORS = ERRORS
 
     def __init__(self, variables, accumulator_dtype="float32", terms=0, layouts=None,
-                 split=False, private=False, records=1):
+                 split=False, private=False, records=1, statistics=()):
         keras.metrics.Metric.__init__(self, name="gradaccum_state")
         self.records = records
         fit = fields(FIT, without=() if private else ("largest_window",))
@@ -125,6 +131,10 @@ class AccumulationState(Packed, keras.metrics.Metric):
         declared = [(field.name, field) for field in fit]
         for j in range(records):
             declared += [(window_prefix(j) + field.name, field) for field in window]
+        # The followed BatchNormalization layers' window statistics
+        # (`core.moving_statistics`): `(name, channels)` given.
+        declared += [(name, StateField(name, "per_channel")) for name, _ in statistics]
+        channels = dict(statistics)
         # Under a keras.distribution each accumulator is laid out as its variable
         # (sharded like it, never whole on one device) and every field replicated.
         layouts = layouts or [None] * len(variables)
@@ -134,7 +144,7 @@ class AccumulationState(Packed, keras.metrics.Metric):
             for i, (v, layout) in enumerate(zip(variables, layouts))
         ]
         weight_dtype = "float64" if accumulator_dtype == "float64" else "float32"
-        initial = self.layout(declared, terms, weight_dtype)
+        initial = self.layout(declared, terms, weight_dtype, channels=channels)
         self.counts = self._add(
             (len(initial["counts"]),),
             keras.initializers.Constant(np.asarray(initial["counts"], "int32")),

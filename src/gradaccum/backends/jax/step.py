@@ -33,6 +33,7 @@ from gradaccum.backends.jax.own_step import Applier
 from gradaccum.backends.jax.record import Carry, FitRecord, LossScaling, WindowRecord
 from gradaccum.backends.jax.state import AccumulationState, window_prefix
 from gradaccum.core import transitions as tr
+from gradaccum.core.moving_statistics import Follower
 from gradaccum.core.state import ERROR_FIELDS, accumulator_name
 
 # The log entry that carries the step's error to fit's hook (which removes it).
@@ -51,7 +52,7 @@ class TrainStep:
     """
 
     def __init__(self, model, options, state: AccumulationState, normalizers,
-                 own_step=None):
+                 own_step=None, follower=None):
         self.model = model
         self.own_step = own_step
         self.options = options
@@ -101,6 +102,12 @@ class TrainStep:
         # Whether the fit can restore inside an epoch (BackupAndRestore): only then
         # does the step carry the branch that skips micro-batches trained on.
         self.resumable = False
+        # Keras's BatchNormalization layers followed through the window: where their
+        # moving (mean, variance) sit among the non-trainable variables.
+        self.follower = follower if follower is not None else Follower([])
+        place = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
+        self.moving_slots = [(place[id(f.layer.moving_mean)], place[id(f.layer.moving_variance)])
+                             for f in self.follower.layers]
 
     def record(self, carry: Carry, index: int = 0, applier=None) -> WindowRecord:
         """Window record `index` in `carry`, applied by `applier` (the record's)."""
@@ -152,6 +159,7 @@ class TrainStep:
             end=tr.end_of_data(fit), fit=fit, direct=self.direct,
         )
         carry.non_trainable = kept_unless(accepted, carry.non_trainable, before)
+        self.follow(carry, before, self.forward_state, record.outcome)
         logs, carry.metrics = self.stateless_metrics(
             self.forward_metrics, loss, weight,
             lambda: self.model.compute_metrics(x, y, y_pred, sample_weight),
@@ -194,9 +202,10 @@ class TrainStep:
             value = loss * weight.astype(loss.dtype) if weighted else loss
             return value, (aux, weight, normalizers)
 
-        (_, (aux, weight, normalizers)), gradients = jax.value_and_grad(
-            objective, has_aux=True
-        )(carry.trainable, carry.non_trainable, carry.metrics)
+        with self.follower.observing():
+            (_, (aux, weight, normalizers)), gradients = jax.value_and_grad(
+                objective, has_aux=True
+            )(carry.trainable, carry.non_trainable, carry.metrics)
         unscaled_loss, y_pred, self.forward_state, self.forward_metrics = aux
         return unscaled_loss, y_pred, weight, gradients, normalizers, weighted
 
@@ -262,6 +271,8 @@ class TrainStep:
                 loss_scale=loss_scale, grows=False, closes=False,
             )
             inner.non_trainable = kept_unless(accepted, inner.non_trainable, non_trainable)
+            self.follow(inner, non_trainable, self.forward_state,
+                        tr.Outcome(accepted, False, False))
             _, inner.metrics = self.stateless_metrics(
                 self.forward_metrics, None, None,
                 lambda: self.model.compute_metrics(x, y, y_pred, sample_weight),
@@ -301,7 +312,8 @@ class TrainStep:
         # An error in this batch (a non-finite gradient with nonfinite="raise", a
         # negative weight) leaves no update and no window: fit raises after the call.
         failed = (carry.ours["error"] > 0) & ~halted
-        tr.apply_now(self.policy, record, ~failed, fit=fit)
+        applied = tr.apply_now(self.policy, record, ~failed, fit=fit)
+        self.follow(carry, carry.non_trainable, None, tr.Outcome(False, applied, ~failed))
         for i in range(len(trainable)):
             name = accumulator_name(i)
             carry.ours[name] = entry[name]
@@ -348,6 +360,26 @@ class TrainStep:
         carry.ours["resume_skip"] = resume_skip
 
     # Pieces -------------------------------------------------------------------------
+
+    def follow(self, carry: Carry, start, moved, outcome) -> None:
+        """The followed layers after a micro-batch (`moved`: the non-trainable
+        variables its forward pass left; None: a window closed outside one), from
+        `start` (those before it): `core.moving_statistics`."""
+        follower = self.follower
+        if not follower:
+            return
+        slots = self.moving_slots
+        names = [name for name, _ in follower.fields()]
+        statistics, values = follower.step(
+            {name: carry.ours[name] for name in names},
+            [(start[a], start[b]) for a, b in slots],
+            None if moved is None else [(moved[a], moved[b]) for a, b in slots],
+            *outcome,
+        )
+        carry.ours.update(statistics)
+        for (a, b), (mean, variance) in zip(slots, values):
+            carry.non_trainable[a] = mean
+            carry.non_trainable[b] = variance
 
     def stateless_metrics(self, metrics_variables, loss, weight, compute):
         """Runs `compute` (the compiled metrics' update, or reading them) on the

@@ -136,6 +136,9 @@ class BatchNormalization(keras.layers.BatchNormalization):
     0.0
     """
 
+    # Window-aware itself: not followed by `core.moving_statistics`.
+    _gradaccum_window_aware = True
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         _check_options(

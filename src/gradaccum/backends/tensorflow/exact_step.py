@@ -8,7 +8,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from gradaccum.backends.tensorflow import batch_norm, privacy
+from gradaccum.backends.tensorflow import batch_norm, following, privacy
 from gradaccum.backends.tensorflow import keras_compat as kc
 from gradaccum.core import transitions as tr
 
@@ -60,7 +60,9 @@ def micro_batch(accumulation, x, y, sample_weight, single=False, end=None, close
     # the scaled loss is what Keras would scale (no extra overflows).
     mean = policy.mean
     weigh_loss = mean and not (single or loss_scaled)
-    with tf.GradientTape() as tape, batch_norm.driving(acc.batch_normalization_layers):
+    start = following.begin(accumulation)
+    with (tf.GradientTape() as tape, batch_norm.driving(acc.batch_normalization_layers),
+          accumulation.follower.observing()):
         if kc.call_has_training_arg(host):
             y_pred = host(x, training=True)
         else:
@@ -84,6 +86,7 @@ def micro_batch(accumulation, x, y, sample_weight, single=False, end=None, close
         optimizer=optimizer, policy=policy, end=end, fit=accumulation.fit_record(),
         direct=single, record=record,
     )
+    following.end(accumulation, start, record.outcome)
     return y_pred, replica_loss, weight
 
 
@@ -93,12 +96,15 @@ def _private_micro_batch(accumulation, record, x, y, sample_weight, optimizer, e
     is applied). The loss logged is the micro-batch's, as Keras computes it."""
     host = accumulation.host
     acc = accumulation.state.accumulator
-    y_pred, gradients, examples = privacy.clipped_micro_batch(
-        accumulation, x, y, sample_weight
-    )
+    start = following.begin(accumulation)
+    with accumulation.follower.observing():
+        y_pred, gradients, examples = privacy.clipped_micro_batch(
+            accumulation, x, y, sample_weight
+        )
     weight = tf.cast(examples, acc.total_weight.dtype)
     acc._run(gradients, weight, weighted=True, optimizer=optimizer,
              policy=accumulation.policy, end=end, fit=accumulation.fit_record(),
              record=record)
+    following.end(accumulation, start, record.outcome)
     loss = kc.compute_loss(host, x, y, y_pred, sample_weight)
     return y_pred, kc.unscale_loss_for_distribution(loss), weight

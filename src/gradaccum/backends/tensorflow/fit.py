@@ -26,9 +26,9 @@ import tensorflow as tf
 
 from gradaccum import adapter
 from gradaccum.adapter import Findings
+from gradaccum.backends.tensorflow import following, resume
 from gradaccum.backends.tensorflow import keras_compat as kc
 from gradaccum.backends.tensorflow import logs as _logs
-from gradaccum.backends.tensorflow import resume
 from gradaccum.backends.tensorflow import retry as _retry
 from gradaccum.backends.tensorflow.accumulator import GradientAccumulator
 from gradaccum.backends.tensorflow.distributed import (
@@ -208,11 +208,18 @@ class Accumulation(adapter.Accumulation):
             pairs += [(acc, optimizer) for acc, optimizer in self.state.own]
 
             def close():
+                applied = []
                 for acc, optimizer in pairs:
                     if self.options.partial == "flush":
-                        acc.close(optimizer, True, True, fit=self.fit_record())
+                        applied.append(acc.close(optimizer, True, True,
+                                                 fit=self.fit_record()))
                     else:
                         acc.drop()
+                        applied.append(tf.constant(False))
+                if applied:
+                    # The window's moving statistics move with its update (flush),
+                    # or are forgotten with it (drop).
+                    following.settle(self, applied[0])
                 return tf.constant(True)
 
             self._end_of_data_function = close if host.run_eagerly else tf.function(close)
@@ -232,6 +239,7 @@ class Accumulation(adapter.Accumulation):
                 host.distribute_strategy, kc.flatten_layers(layers),
                 self.options.micro_batch_size,
             )
+        follower = self.follow()
         if self.own_train_step is not None and not host.built:
             # A subclassed model with its own step is built by its first step:
             # its accumulators are made when the step hands gradients over.
@@ -249,7 +257,8 @@ class Accumulation(adapter.Accumulation):
                 accumulator = self.options.accumulator(host.trainable_variables,
                                                        layers=layers)
             self.state = FitState(accumulator, terms=terms,
-                                  private=self.options.privacy is not None)
+                                  private=self.options.privacy is not None,
+                                  statistics=follower.fields())
             replicas = host.distribute_strategy.num_replicas_in_sync
             if accumulator is None and host.optimizer is not None and replicas > 1:
                 # A model's own step usually hands all its trainable variables to

@@ -14,7 +14,7 @@ import threading
 import keras
 import tensorflow as tf
 
-from gradaccum.backends.tensorflow import batch_norm
+from gradaccum.backends.tensorflow import batch_norm, following
 from gradaccum.backends.tensorflow import keras_compat as kc
 from gradaccum.core import transitions as tr
 
@@ -69,14 +69,24 @@ class OwnStep:
         local.calls_in_step = {}
         local.calls = []
         local.updated = []
+        local.outcomes = []
         layers = state.own[0][0].batch_normalization_layers if state.own else []
+        start = following.begin(accumulation)
         self._route([optimizer for _, optimizer in kc.named_optimizers(host)])
         try:
-            with batch_norm.driving(layers):
+            with batch_norm.driving(layers), accumulation.follower.observing():
                 logs = own_step(data)
         finally:
             self._end_route()
         local.micro_batch = None
+        if local.outcomes:
+            # The moving statistics follow the first optimizer's window (every
+            # optimizer's saw the same micro-batches), taking the micro-batch where
+            # any accepted it.
+            first = local.outcomes[0]
+            accepted = tf.reduce_any(tf.stack([tf.convert_to_tensor(o.accepted)
+                                               for o in local.outcomes]))
+            following.end(accumulation, start, first._replace(accepted=accepted))
         self._note_repeats(host, local.calls)
         if not local.intercepted:
             raise ValueError(
@@ -209,6 +219,7 @@ class OwnStep:
             end=None if split else tr.end_of_data(accumulation.fit_record()),
             fit=accumulation.fit_record(), record=record,
         )
+        local.outcomes.append(record.outcome)
         return optimizer.iterations
 
     def accumulator(self, optimizer, variables, occurrence=0):

@@ -55,6 +55,9 @@ def _changing_variables(accumulation) -> list:
         v for v in host.non_trainable_variables if v.shape.num_elements() <= LARGEST_KEPT
     ]
     variables += [state.epoch_step, state.term_ratios, state.inexact]
+    # The followed BatchNormalization layers' window statistics (a split batch is
+    # its window: they start empty, and a failed attempt must leave them so).
+    variables += list(state.statistics.values())
     for acc in state.accumulators():
         variables += [acc.state.skipped, acc.state.micro_batches]
     return variables

@@ -7,7 +7,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from gradaccum.backends.tensorflow import exact_step
+from gradaccum.backends.tensorflow import exact_step, following
 from gradaccum.backends.tensorflow import keras_compat as kc
 from gradaccum.backends.tensorflow import split as _split
 
@@ -51,8 +51,11 @@ def split_step(accumulation, data):
         with tf.control_dependencies(after):
             after = [tf.convert_to_tensor(state.applying.assign(True))]
     with tf.control_dependencies(after):
-        for acc, optimizer in pairs:
-            acc.close(optimizer, True, True, fit=accumulation.fit_record())
+        applied = [acc.close(optimizer, True, True, fit=accumulation.fit_record())
+                   for acc, optimizer in pairs]
+    if applied:
+        # The batch's moving statistics move once, with its update.
+        following.settle(accumulation, applied[0])
     return logs
 
 

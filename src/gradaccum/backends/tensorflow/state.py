@@ -113,9 +113,12 @@ class FitState(tf.Module):
             train_step, whose accumulators are made as its step hands gradients over).
         terms: the compiled loss's terms beyond the first (their normalizer ratios
             are tracked).
+        private: whether `gradaccum.Privacy` trains (the largest window is kept).
+        statistics: `(name, channels)` of the followed batch normalization layers'
+            window statistics.
     """
 
-    def __init__(self, accumulator=None, terms=0, private=False):
+    def __init__(self, accumulator=None, terms=0, private=False, statistics=()):
         super().__init__(name="gradaccum_fit_state")
         self.accumulator = accumulator
         # A model's own step: one accumulator per (optimizer, variables), in the
@@ -145,6 +148,12 @@ class FitState(tf.Module):
         self.largest_window = (
             tf.Variable(0.0, name="largest_window", **COUNTED) if private else None
         )
+        # The followed BatchNormalization layers' window statistics
+        # (`core.moving_statistics`), per channel: `(name, channels)` given.
+        self.statistics = {
+            name: tf.Variable(tf.zeros([channels], tf.float32), name=name, **COUNTED)
+            for name, channels in statistics
+        }
 
     def accumulators(self) -> list:
         """Every accumulator: the exact step's, then a model's own step's."""
@@ -160,4 +169,5 @@ class FitState(tf.Module):
         named.update(epoch_step=self.epoch_step, resume_skip=self.resume_skip)
         if self.largest_window is not None:
             named["largest_window"] = self.largest_window
+        named.update(self.statistics)
         return named
