@@ -416,3 +416,29 @@ def test_keras_layer_follows_the_window_through_a_models_own_train_step():
         np.testing.assert_allclose(getattr(model.get_layer("bn"), name).numpy(),
                                    getattr(reference.get_layer("bn"), name).numpy(),
                                    rtol=1e-5, atol=1e-6)
+
+
+class LateBuilt(keras.Model):
+    """A subclassed model with TapeStep's `train_step`, not built before `fit`."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.bn = keras.layers.BatchNormalization(name="late_bn")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, x, training=False):
+        return self.out(self.bn(x, training=training))
+
+    train_step = TapeStep.train_step
+
+
+def test_an_own_step_model_not_built_before_fit_is_named():
+    # Built by its first step, after gradaccum's state is made: its layers cannot
+    # follow the window in that fit, and a warning says what to do.
+    x, y = _followed_data(24)
+    model = gradaccum.accumulate(LateBuilt(), steps=3)
+    model.compile(optimizer="adam",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.warns(UserWarning, match="layers 'late_bn' of model .* Build the model "
+                      "before fit"):
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)

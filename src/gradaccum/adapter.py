@@ -107,6 +107,7 @@ class Accumulation(abc.ABC):
         # Keras's BatchNormalization layers followed through the window
         # (`core.moving_statistics`): found when the state is first made.
         self.follower = None
+        self._follower_unbuilt = False
 
     # The doors --------------------------------------------------------------------
 
@@ -210,9 +211,19 @@ class Accumulation(abc.ABC):
         """The followed layers (`core.moving_statistics`), found in the built model
         the first time (a warning names each layer that cannot be followed), their
         moments observed from then on."""
-        if self.follower is None:
+        if (self.follower is None or self._follower_unbuilt) and (
+                self.options.follows_moving_statistics and not self.layers.built):
+            # A subclassed model with its own step is built by its first step, after
+            # the state is made: its layers cannot be followed in this fit (found
+            # when a later state is made, the model built).
+            if not self._follower_unbuilt:
+                moving_statistics.warn_unbuilt(self.layers)
+            self.follower, self._follower_unbuilt = Follower([]), True
+            return self.follower
+        if self.follower is None or self._follower_unbuilt:
+            self._follower_unbuilt = False
             followed = []
-            if self.options.follows_moving_statistics and self.layers.built:
+            if self.options.follows_moving_statistics:
                 followed, refused = moving_statistics.find(self.layers)
                 if followed and self.replicas() > 1:
                     # Each replica moves its layers from its own share: the global

@@ -340,3 +340,79 @@ def test_disable_leaves_keras_layers_as_they_were():
     assert "_moments" in layer.__dict__
     gradaccum.disable(model)
     assert "_moments" not in layer.__dict__
+
+
+def test_a_window_flushed_after_data_of_unknown_length_moves_once():
+    # A generator has no length: the partial window is flushed after the data ends,
+    # outside the step, and moves the statistics from what it holds.
+    x, y = _data()
+
+    def batches():
+        for start in range(0, 60, 8):
+            yield x[start:start + 8], y[start:start + 8]
+
+    model = _compiled(_model())
+    model.fit(batches(), epochs=1, verbose=0)
+    reference = _plain(_model())
+    reference_fit(reference, WINDOWS, x, y)
+    _assert_moving_close(_moving(model, "bn"), _moving(reference, "bn"))
+
+
+def test_a_layer_two_accumulated_models_share_follows_each_of_them():
+    # One encoder (a frozen Dense and a BatchNormalization) in two models, each
+    # accumulated: fit one, then the other; each moves the shared statistics once
+    # per window, as plain Keras on the windows does.
+    x, y = _data()
+
+    def pair():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((5,))
+        encoder = keras.Sequential([keras.Input((5,)), keras.layers.Dense(6, trainable=False),
+                                    keras.layers.BatchNormalization(momentum=0.9)])
+        first = keras.Model(inputs, keras.layers.Dense(3)(encoder(inputs)))
+        second = keras.Model(inputs, keras.layers.Dense(3)(encoder(inputs)))
+        return first, second, encoder.layers[-1]
+
+    first, second, bn = pair()
+    for model in (first, second):
+        _compiled(model)
+    first.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    second.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    ref_first, ref_second, ref_bn = pair()
+    for model in (ref_first, ref_second):
+        reference_fit(_plain(model), WINDOWS, x, y)
+    _assert_moving_close((np.asarray(bn.moving_mean), np.asarray(bn.moving_variance)),
+                         (np.asarray(ref_bn.moving_mean), np.asarray(ref_bn.moving_variance)))
+
+
+def test_a_momentum_of_one_keeps_the_statistics():
+    x, y = _data(24)
+    inputs = keras.Input((5,))
+    h = keras.layers.BatchNormalization(momentum=1.0, name="bn")(inputs)
+    model = _compiled(keras.Model(inputs, keras.layers.Dense(3)(h)))
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    _assert_moving_close(_moving(model, "bn"), (np.zeros(5), np.ones(5)), rtol=0, atol=0)
+
+
+def test_a_layer_run_several_times_a_micro_batch_is_named_and_its_mean_follows():
+    # TimeDistributed runs the layer on each of 3 steps: the mean moves as on the
+    # windows; the variance leaves out the spread within each pass (said).
+    rng = np.random.default_rng(1)
+    x = (rng.normal(size=(48, 3, 4)) * 2 + 1).astype("float32")
+    y = rng.integers(0, 3, size=(48,)).astype("int32")
+
+    def make():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((3, 4))
+        h = keras.layers.TimeDistributed(keras.layers.BatchNormalization(momentum=0.9),
+                                         name="td")(inputs)
+        return keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Flatten()(h)))
+
+    model = _compiled(make())
+    with pytest.warns(UserWarning, match="normalizes several batches in one micro-batch"):
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    reference = _plain(make())
+    reference_fit(reference, windows_of([8] * 6, [3, 3]), x, y)
+    ours, theirs = model.get_layer("td").layer, reference.get_layer("td").layer
+    np.testing.assert_allclose(np.asarray(ours.moving_mean), np.asarray(theirs.moving_mean),
+                               rtol=1e-5, atol=1e-6)
