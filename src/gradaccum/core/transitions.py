@@ -541,6 +541,14 @@ def drop(record):
 # Logs and warnings -----------------------------------------------------------------------
 
 
+def tracks_skips(policy: Policy, loss_scaled: bool) -> bool:
+    """Whether a skipped micro-batch's loss and metrics are kept out of the
+    trackers (`fit`'s logs, the callbacks): wherever the policy skips a micro-batch
+    and goes on (`"skip"`, a callable, loss scaling). With `"apply"` and `"raise"`
+    the trackers see every micro-batch as it is."""
+    return policy.nonfinite == "skip" or callable(policy.nonfinite) or loss_scaled
+
+
 def skips_possible(policy: Policy, loss_scaled: bool) -> bool:
     """Whether a micro-batch can be skipped (then `skipped` is logged)."""
     return policy.nonfinite != "apply" or loss_scaled

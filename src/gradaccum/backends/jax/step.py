@@ -147,6 +147,7 @@ class TrainStep:
         fit = FitRecord(carry)
         fit.add("epoch_step", 1)
         record = self.record(carry)
+        entry_metrics = list(carry.metrics)
         loss, y_pred, weight, gradients, normalizers, weighted = self.gradients(
             carry, record, x, y, sample_weight
         )
@@ -164,6 +165,12 @@ class TrainStep:
             self.forward_metrics, loss, weight,
             lambda: self.model.compute_metrics(x, y, y_pred, sample_weight),
         )
+        if tr.tracks_skips(self.policy, self.loss_scaled):
+            # A skipped micro-batch leaves the loss tracker and the metrics: the
+            # logs (History, callbacks such as TerminateOnNaN) are the used ones'.
+            carry.metrics = kept_unless(accepted, carry.metrics, entry_metrics)
+            logs, _ = self.stateless_metrics(carry.metrics, None, None,
+                                             self.model.get_metrics_result)
         return logs
 
     def gradients(self, carry: Carry, record, x, y, sample_weight):
@@ -254,6 +261,7 @@ class TrainStep:
         fit = FitRecord(carry)
         fit.add("epoch_step", 1)
         loss_scale = self.growth_steps if self.loss_scaled else None
+        tracks_skips = tr.tracks_skips(self.policy, self.loss_scaled)
 
         def run(scanned, micro):
             non_trainable, optimizer_variables, metrics_variables, ours, weighted, weights = scanned
@@ -278,7 +286,13 @@ class TrainStep:
                 lambda: self.model.compute_metrics(x, y, y_pred, sample_weight),
             )
             weight = weight.astype("float32")
-            weighted = weighted + loss.astype("float32") * weight
+            loss = loss.astype("float32")
+            if tracks_skips:
+                # A skipped micro-batch's loss and metrics join nothing.
+                inner.metrics = kept_unless(accepted, inner.metrics, metrics_variables)
+                loss = jnp.where(accepted, loss, 0.0)
+                weight = jnp.where(accepted, weight, 0.0)
+            weighted = weighted + loss * weight
             return (list(inner.non_trainable), list(inner.optimizer), list(inner.metrics),
                     inner.ours, weighted, weights + weight), None
 
@@ -319,8 +333,13 @@ class TrainStep:
             carry.ours[name] = entry[name]
         # The batch's loss, logged as Keras logs a step's on the whole batch.
         loss = jnp.where(weights > 0, weighted / jnp.where(weights > 0, weights, 1.0), 0.0)
+        # (Where skips leave the trackers, a batch whose every micro-batch was
+        # skipped weighs nothing.)
+        batch_weight = jnp.asarray(batch, "float32")
+        if tracks_skips:
+            batch_weight = jnp.where(weights > 0, batch_weight, 0.0)
         logs, carry.metrics = self.stateless_metrics(
-            carry.metrics, loss, jnp.asarray(batch, "float32"), self.model.get_metrics_result
+            carry.metrics, loss, batch_weight, self.model.get_metrics_result
         )
         if self.policy.raises:
             # A batch that failed changes nothing but its error's fields.

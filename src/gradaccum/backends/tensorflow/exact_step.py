@@ -28,19 +28,39 @@ def exact_step(accumulation, data):
         or acc.batch_normalization_layers
     )
     state.epoch_step.assign_add(1)
-    y_pred, loss, weight = micro_batch(
+    y_pred, loss, weight, accepted = micro_batch(
         accumulation, x, y, sample_weight, single=single,
         end=tr.end_of_data(accumulation.fit_record()),
     )
-    kc.loss_tracker(host).update_state(loss, sample_weight=weight)
-    return host.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def update():
+        kc.loss_tracker(host).update_state(loss, sample_weight=weight)
+        return host.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    return tracked(accumulation, accepted, update)
+
+
+def tracked(accumulation, accepted, update):
+    """Runs `update()` (the loss tracker's and the metrics' update, returning the
+    logs) so that a skipped micro-batch leaves the trackers as they were
+    (`core.transitions.tracks_skips`): History, the progress bar and callbacks such
+    as TerminateOnNaN see the micro-batches that were used. Returns the logs."""
+    host = accumulation.host
+    if not tr.tracks_skips(accumulation.policy, kc.is_loss_scale_optimizer(host.optimizer)):
+        return update()
+    variables = list(host.metrics_variables)
+    before = [tf.identity(v.value) for v in variables]
+    update()
+    for variable, old in zip(variables, before):
+        variable.assign(tf.where(accepted, variable.value, old))
+    return host.get_metrics_result()
 
 
 def micro_batch(accumulation, x, y, sample_weight, single=False, end=None, closes=True):
     """Forward, the host's loss and backward of one micro-batch, through the window
     (closed when due, or at the end of the data `end`, where `closes`; applied at
     once when `single`). Returns the predictions, the loss (as the loss tracker
-    takes it) and the micro-batch's weight."""
+    takes it), the micro-batch's weight and whether it was accepted."""
     host = accumulation.host
     acc = accumulation.state.accumulator
     optimizer = host.optimizer if closes else None
@@ -87,7 +107,7 @@ def micro_batch(accumulation, x, y, sample_weight, single=False, end=None, close
         direct=single, record=record,
     )
     following.end(accumulation, start, record.outcome)
-    return y_pred, replica_loss, weight
+    return y_pred, replica_loss, weight, record.outcome.accepted
 
 
 def _private_micro_batch(accumulation, record, x, y, sample_weight, optimizer, end):
@@ -107,4 +127,5 @@ def _private_micro_batch(accumulation, record, x, y, sample_weight, optimizer, e
              record=record)
     following.end(accumulation, start, record.outcome)
     loss = kc.compute_loss(host, x, y, y_pred, sample_weight)
-    return y_pred, kc.unscale_loss_for_distribution(loss), weight
+    return (y_pred, kc.unscale_loss_for_distribution(loss), weight,
+            record.outcome.accepted)

@@ -10,6 +10,7 @@ import tensorflow as tf
 from gradaccum.backends.tensorflow import exact_step, following
 from gradaccum.backends.tensorflow import keras_compat as kc
 from gradaccum.backends.tensorflow import split as _split
+from gradaccum.core import transitions as tr
 
 
 def split_step(accumulation, data):
@@ -33,10 +34,13 @@ def split_step(accumulation, data):
         weighted, weights = _split.for_each(data, size, micro_batch, (zero, zero))
         after = [weighted, weights]
         # The batch's loss, logged as Keras logs a batch's: weighted by its size.
-        kc.loss_tracker(host).update_state(
-            tf.math.divide_no_nan(weighted, weights),
-            sample_weight=_split.batch_size(data),
-        )
+        # (Where skips leave the trackers, a batch whose every micro-batch was
+        # skipped weighs nothing.)
+        batch_weight = tf.cast(_split.batch_size(data), tf.float32)
+        if tr.tracks_skips(accumulation.policy, kc.is_loss_scale_optimizer(host.optimizer)):
+            batch_weight = tf.where(weights > 0, batch_weight, 0.0)
+        kc.loss_tracker(host).update_state(tf.math.divide_no_nan(weighted, weights),
+                                           sample_weight=batch_weight)
         logs = host.get_metrics_result()
         pairs = [(state.accumulator, host.optimizer)]
     else:
@@ -63,10 +67,17 @@ def _exact_micro_batch(accumulation, micro, weighted, weights):
     """One micro-batch of a split batch; adds its weighted loss and weight to the
     batch's."""
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(micro)
-    y_pred, loss, weight = exact_step.micro_batch(accumulation, x, y, sample_weight,
-                                                  closes=False)
-    accumulation.host.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+    y_pred, loss, weight, accepted = exact_step.micro_batch(
+        accumulation, x, y, sample_weight, closes=False
+    )
+    exact_step.tracked(accumulation, accepted, lambda: accumulation.host.compute_metrics(
+        x, y, y_pred, sample_weight=sample_weight))
     weight = tf.cast(weight, tf.float32)
+    if tr.tracks_skips(accumulation.policy,
+                       kc.is_loss_scale_optimizer(accumulation.host.optimizer)):
+        # A skipped micro-batch's loss joins nothing.
+        loss = tf.where(accepted, tf.cast(loss, tf.float32), 0.0)
+        weight = tf.where(accepted, weight, 0.0)
     return weighted + tf.cast(loss, tf.float32) * weight, weights + weight
 
 

@@ -1,0 +1,105 @@
+"""What `fit` logs when a micro-batch is skipped, on every backend (this module runs in
+the TensorFlow and in the JAX process): a skipped micro-batch's loss and metrics stay
+out of the trackers, so History, the progress bar and callbacks see the micro-batches
+that were used; `skipped` says how many were not. With `nonfinite="apply"` the nan is
+reported as it is."""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+from largebatch import SCE, mlp
+
+import gradaccum
+
+
+def _data_with_a_nan(n=32, at=9):
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(n, 6)).astype("float32")
+    y = rng.integers(0, 3, size=(n,)).astype("int32")
+    x[at, 0] = np.nan  # in micro-batch 2 (of 8)
+    return x, y
+
+
+class _Logs(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.batches, self.epochs = [], []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches.append(dict(logs))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epochs.append(dict(logs))
+
+
+def _trainer(**options):
+    model = gradaccum.accumulate(mlp(0), steps=2, **options)
+    model.compile(keras.optimizers.Adam(0.01), SCE, metrics=["accuracy"],
+                  steps_per_execution=1)
+    return model
+
+
+def test_terminate_on_nan_goes_on_past_a_skipped_micro_batch():
+    x, y = _data_with_a_nan()
+    model = _trainer()
+    logs = _Logs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        history = model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
+                            callbacks=[keras.callbacks.TerminateOnNaN(), logs])
+    # Every epoch ran: 2 windows each (the first applied from micro-batch 1 alone).
+    assert history.history["updates"] == [2.0, 4.0, 6.0]
+    assert history.history["skipped"] == [1.0, 2.0, 3.0]
+    for entry in logs.batches + logs.epochs:
+        assert np.isfinite(entry["loss"]) and np.isfinite(entry["accuracy"]), entry
+    # The skipped micro-batch (the second of each epoch) leaves the running loss and
+    # accuracy as the first micro-batch left them.
+    for epoch in range(3):
+        first, second = logs.batches[4 * epoch], logs.batches[4 * epoch + 1]
+        assert second["loss"] == pytest.approx(first["loss"], rel=1e-6)
+        assert second["accuracy"] == pytest.approx(first["accuracy"], rel=1e-6)
+    assert np.all(np.isfinite(np.concatenate([w.ravel() for w in model.get_weights()])))
+
+
+def test_monitoring_callbacks_see_the_used_micro_batches(tmp_path):
+    x, y = _data_with_a_nan()
+    model = _trainer()
+    path = str(tmp_path / "best.weights.h5")
+    early = keras.callbacks.EarlyStopping(monitor="loss", patience=10)
+    plateau = keras.callbacks.ReduceLROnPlateau(monitor="loss", patience=10)
+    checkpoint = keras.callbacks.ModelCheckpoint(path, monitor="loss", save_best_only=True,
+                                                 save_weights_only=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        history = model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
+                            callbacks=[early, plateau, checkpoint])
+    losses = history.history["loss"]
+    assert all(np.isfinite(losses))
+    # A nan is never "best": the monitors tracked finite values.
+    assert early.best == pytest.approx(min(losses))
+    assert checkpoint.best == pytest.approx(min(losses))
+    assert (tmp_path / "best.weights.h5").exists()
+
+
+def test_split_mode_logs_the_used_micro_batches():
+    x, y = _data_with_a_nan()
+    model = gradaccum.accumulate(mlp(0), micro_batch_size=8)
+    model.compile(keras.optimizers.Adam(0.01), SCE, metrics=["accuracy"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                            callbacks=[keras.callbacks.TerminateOnNaN()])
+    assert history.history["updates"] == [2.0, 4.0]
+    assert all(np.isfinite(history.history["loss"]))
+    assert all(np.isfinite(history.history["accuracy"]))
+
+
+def test_with_nonfinite_apply_the_nan_is_reported_as_it_is():
+    x, y = _data_with_a_nan()
+    model = _trainer(nonfinite="apply")
+    history = model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert np.isnan(history.history["loss"][0])
