@@ -188,7 +188,6 @@ def test_every_layer_equals_its_inputs_statistics_pooled_by_hand(momentum):
     _check_against_hand_pooling(model, x, y, [8] * 7 + [4], ["bn", "bn2"])
 
 
-@pytest.mark.slow
 def test_keras_applications_resnet50_follows_the_window():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(24, 32, 32, 3)).astype("float32")
@@ -205,10 +204,8 @@ def test_keras_applications_resnet50_follows_the_window():
                                 atol=1e-5)
 
 
-@pytest.mark.slow
-@pytest.mark.hub
 def test_a_keras_hub_resnet_image_classifier_follows_the_window():
-    keras_hub = pytest.importorskip("keras_hub")
+    import keras_hub  # the README's test install has it: missing, this fails
     rng = np.random.default_rng(0)
     x = rng.normal(size=(20, 16, 16, 3)).astype("float32")
     y = rng.integers(0, 3, size=(20,)).astype("int32")
