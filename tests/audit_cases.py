@@ -86,6 +86,17 @@ def test_a_model_without_causes_is_exact_and_left_as_it_was():
     assert int(model.optimizer.iterations) == 8
 
 
+def test_a_batch_normalization_that_cannot_follow_the_window_is_named_so():
+    x, y = data()
+    model = mlp(keras.layers.BatchNormalization(renorm=True, name="renormed"))
+    report = gradaccum.audit(model, x, y, steps=4, batch_size=8)
+    assert report.causes[0].startswith("BatchNormalization layer 'renormed'")
+    assert report.causes[0].endswith(
+        "Its moving statistics move per micro-batch too: it cannot follow the window "
+        "(`renorm=True` moves its renorm statistics too and corrects every micro-batch "
+        "with them).")
+
+
 def test_dropout_and_batch_normalization_are_named():
     x, y = data()
     model = mlp(keras.layers.BatchNormalization(name="norm"),
@@ -96,7 +107,10 @@ def test_dropout_and_batch_normalization_are_named():
     assert report.max_difference > 1e-2
     assert len(report.causes) == 2
     assert report.causes[0].startswith("BatchNormalization layer 'norm': each micro-batch")
-    assert "gradaccum.BatchNormalization" in report.causes[0]
+    assert report.causes[0].endswith(
+        "Its moving statistics follow the window (moved once per update from the pooled "
+        "statistics, as the large batch moves them); the forward pass is the one "
+        "difference left.")
     assert report.causes[1].startswith("Dropout layer 'drop': draws its random numbers")
     assert "NOT exact" in str(report) and "- Dropout layer 'drop'" in str(report)
     # The batch statistics and the dropout seed are put back too.
