@@ -211,19 +211,16 @@ class Accumulation(abc.ABC):
         """The followed layers (`core.moving_statistics`), found in the built model
         the first time (a warning names each layer that cannot be followed), their
         moments observed from then on."""
-        if (self.follower is None or self._follower_unbuilt) and (
-                self.options.follows_moving_statistics and not self.layers.built):
-            # A subclassed model with its own step is built by its first step, after
-            # the state is made: its layers cannot be followed in this fit (found
-            # when a later state is made, the model built).
-            if not self._follower_unbuilt:
-                moving_statistics.warn_unbuilt(self.layers)
-            self.follower, self._follower_unbuilt = Follower([]), True
-            return self.follower
         if self.follower is None or self._follower_unbuilt:
-            self._follower_unbuilt = False
+            follows = self.options.follows_moving_statistics
+            # A subclassed model with its own step is built by its first step, after
+            # the state is made: its layers cannot be followed in this fit (they are
+            # found when a later state is made, the model built).
+            unbuilt = follows and not self.layers.built
+            if unbuilt and not self._follower_unbuilt:
+                moving_statistics.warn_unbuilt(self.layers)
             followed = []
-            if self.options.follows_moving_statistics:
+            if follows and not unbuilt:
                 followed, refused = moving_statistics.find(self.layers)
                 if followed and self.replicas() > 1:
                     # Each replica moves its layers from its own share: the global
@@ -231,7 +228,7 @@ class Accumulation(abc.ABC):
                     moving_statistics.warn_replicas(followed, self.replicas())
                     followed = []
                 moving_statistics.warn_unfollowed(refused)
-            self.follower = Follower(followed)
+            self.follower, self._follower_unbuilt = Follower(followed), unbuilt
         self.follower.install()
         return self.follower
 

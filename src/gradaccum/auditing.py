@@ -22,7 +22,7 @@ import numpy as np
 from gradaccum import _keras_common as kc
 from gradaccum._validation import check_choice, check_steps
 from gradaccum.adapter import accumulation_of
-from gradaccum.core.moving_statistics import unfollowable_reason
+from gradaccum.core.moving_statistics import unfollowable_reason, window_aware
 
 # Relative differences up to this are float32 noise (sums in another order); a
 # model computing in float16 or bfloat16 (mixed precision) has that dtype's noise.
@@ -403,8 +403,7 @@ def _causes(model, weighting, sizes, findings, added_losses, inexact) -> list:
         if layer is model:
             continue
         if isinstance(layer, keras.layers.BatchNormalization):
-            why = (None if getattr(type(layer), "_gradaccum_window_aware", False)
-                   else unfollowable_reason(layer))
+            why = None if window_aware(layer) else unfollowable_reason(layer)
             moving = (
                 "Its moving statistics follow the window (moved once per update from "
                 "the pooled statistics, as the large batch moves them); the forward "

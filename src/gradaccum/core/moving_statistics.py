@@ -48,6 +48,8 @@ from typing import NamedTuple
 
 import keras
 
+from gradaccum import _keras_common as kc
+
 ops = keras.ops
 
 #: The values of the `moving_statistics` option.
@@ -92,8 +94,9 @@ def _has_moving_statistics(layer) -> bool:
     return any(v.name.startswith("moving_") for v in own)
 
 
-def _window_aware(layer) -> bool:
-    """gradaccum's own window-aware layer (TensorFlow), driven by its accumulator."""
+def window_aware(layer) -> bool:
+    """Whether `layer` is gradaccum's own window-aware layer (TensorFlow's
+    `gradaccum.BatchNormalization`, driven by its accumulator): not followed."""
     return getattr(type(layer), "_gradaccum_window_aware", False)
 
 
@@ -102,8 +105,8 @@ def find(model) -> tuple[list, list]:
     `(layer, why)` for those with moving statistics that cannot."""
     followed, refused = [], []
     seen = set()
-    for layer in model._flatten_layers(include_self=False, recursive=True):
-        if id(layer) in seen or _window_aware(layer):
+    for layer in kc.flatten_layers(model):
+        if layer is model or id(layer) in seen or window_aware(layer):
             continue
         seen.add(id(layer))
         if not (isinstance(layer, keras.layers.BatchNormalization)
@@ -139,9 +142,9 @@ def warn_unbuilt(model) -> None:
     """A model not built when its state is made (a subclassed model with its own
     `train_step`, built by its first step): a warning names its batch normalization
     layers, which move per micro-batch in this fit."""
-    names = [layer.name for layer in model._flatten_layers(include_self=False, recursive=True)
+    names = [layer.name for layer in kc.flatten_layers(model)
              if isinstance(layer, keras.layers.BatchNormalization)
-             and not _window_aware(layer)]
+             and not window_aware(layer)]
     if not names:
         return
     warnings.warn(
@@ -201,9 +204,13 @@ class Follower:
         return [(name, f.channels) for i, f in enumerate(self.layers)
                 for name in statistics_names(i)]
 
-    def moving_variables(self) -> list:
-        """The followed layers' moving (mean, variance) variables, flat, in order."""
-        return [v for f in self.layers for v in (f.layer.moving_mean, f.layer.moving_variance)]
+    def names(self) -> list:
+        """The names of the window statistics' fields, in order."""
+        return [name for name, _ in self.fields()]
+
+    def moving(self) -> list:
+        """Each followed layer's moving (mean, variance) variables, in order."""
+        return [(f.layer.moving_mean, f.layer.moving_variance) for f in self.layers]
 
     # Observing the forward pass -----------------------------------------------------
 

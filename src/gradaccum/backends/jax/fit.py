@@ -254,16 +254,14 @@ class Accumulation(adapter.Accumulation):
         if not follower:
             return
         named = self.state.named()
-        names = [name for name, _ in follower.fields()]
-        start = [(f.layer.moving_mean.value, f.layer.moving_variance.value)
-                 for f in follower.layers]
-        statistics, values = follower.step({n: named[n].value for n in names}, start, None,
-                                           False, applied, True)
-        for name in names:
-            named[name].assign(statistics[name])
-        for f, (mean, variance) in zip(follower.layers, values):
-            f.layer.moving_mean.assign(mean)
-            f.layer.moving_variance.assign(variance)
+        start = [(mean.value, variance.value) for mean, variance in follower.moving()]
+        statistics, values = follower.step({n: named[n].value for n in follower.names()},
+                                           start, None, False, applied, True)
+        for name, value in statistics.items():
+            named[name].assign(value)
+        for (mean, variance), (new_mean, new_variance) in zip(follower.moving(), values):
+            mean.assign(new_mean)
+            variance.assign(new_variance)
 
     def _close_record(self, index, applier, apply: bool) -> bool | None:
         """`close_eagerly` for window record `index` (one jitted call): whether it

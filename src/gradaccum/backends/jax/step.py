@@ -106,8 +106,8 @@ class TrainStep:
         # moving (mean, variance) sit among the non-trainable variables.
         self.follower = follower if follower is not None else Follower([])
         place = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
-        self.moving_slots = [(place[id(f.layer.moving_mean)], place[id(f.layer.moving_variance)])
-                             for f in self.follower.layers]
+        self.moving_slots = [(place[id(mean)], place[id(variance)])
+                             for mean, variance in self.follower.moving()]
 
     def record(self, carry: Carry, index: int = 0, applier=None) -> WindowRecord:
         """Window record `index` in `carry`, applied by `applier` (the record's)."""
@@ -388,9 +388,8 @@ class TrainStep:
         if not follower:
             return
         slots = self.moving_slots
-        names = [name for name, _ in follower.fields()]
         statistics, values = follower.step(
-            {name: carry.ours[name] for name in names},
+            {name: carry.ours[name] for name in follower.names()},
             [(start[a], start[b]) for a, b in slots],
             None if moved is None else [(moved[a], moved[b]) for a, b in slots],
             *outcome,

@@ -12,8 +12,8 @@ from gradaccum.core.transitions import Outcome
 
 
 def _read(follower) -> list:
-    return [(tf.identity(f.layer.moving_mean.value), tf.identity(f.layer.moving_variance.value))
-            for f in follower.layers]
+    return [(tf.identity(mean.value), tf.identity(variance.value))
+            for mean, variance in follower.moving()]
 
 
 def begin(accumulation):
@@ -38,9 +38,9 @@ def end(accumulation, start, outcome: Outcome, moved: bool = True) -> None:
                                    *outcome)
     for name, value in values.items():
         statistics[name].assign(value)
-    for followed, (mean, variance) in zip(follower.layers, moving):
-        followed.layer.moving_mean.assign(mean)
-        followed.layer.moving_variance.assign(variance)
+    for (mean, variance), (new_mean, new_variance) in zip(follower.moving(), moving):
+        mean.assign(new_mean)
+        variance.assign(new_variance)
 
 
 def settle(accumulation, applied, closed=True) -> None:
