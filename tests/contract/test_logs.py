@@ -103,3 +103,38 @@ def test_with_nonfinite_apply_the_nan_is_reported_as_it_is():
     model = _trainer(nonfinite="apply")
     history = model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     assert np.isnan(history.history["loss"][0])
+
+
+def _xent():
+    return keras.metrics.SparseCategoricalCrossentropy(from_logits=True, name="xent")
+
+
+def _by_label(x, y, sample_weight):
+    return keras.ops.sum(keras.ops.cast(y, "float32")) + 1.0
+
+
+@pytest.mark.parametrize("weighting", ["exact", "uniform", _by_label])
+@pytest.mark.parametrize("split", [False, True])
+def test_epoch_loss_is_the_per_sample_mean_under_every_weighting(weighting, split):
+    # 36 samples in micro-batches 8, 8, 8, 8, 4, with sample weights: one window per
+    # epoch, so within an epoch the weights are those it started from, and plain
+    # Keras on the whole batch shows the per-sample mean there (item 2 of issue 46).
+    # Before, uniform and callable weightings logged the mean over micro-batches.
+    x, y = _data_with_a_nan(36)
+    x[9, 0] = 0.0
+    sample_weight = np.random.default_rng(5).uniform(0.2, 2.0, size=36).astype("float32")
+    options = {"micro_batch_size": 8} if split else {"steps": 5}
+    model = gradaccum.accumulate(mlp(0), weighting=weighting, **options)
+    model.compile(keras.optimizers.Adam(0.01), SCE, metrics=["accuracy"],
+                  weighted_metrics=[_xent()], steps_per_execution=1)
+    batch_size = 36 if split else 8
+    history = model.fit(x, y, sample_weight=sample_weight, batch_size=batch_size, epochs=2,
+                        shuffle=False, verbose=0)
+    plain = mlp(0)
+    plain.compile(keras.optimizers.SGD(0.0), SCE, metrics=["accuracy"],
+                  weighted_metrics=[_xent()])
+    expected = plain.evaluate(x, y, sample_weight=sample_weight, batch_size=36, verbose=0,
+                              return_dict=True)
+    for name in ("loss", "accuracy", "xent"):
+        assert history.history[name][0] == pytest.approx(expected[name], rel=1e-5), name
+    assert history.history["updates"] == [1.0, 2.0]

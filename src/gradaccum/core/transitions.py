@@ -246,9 +246,15 @@ def weigh(policy: Policy, x, y, sample_weight, normalizers, record, *, warn=True
     if not normalizers:
         if warn:
             warn_no_compiled_loss()
-        first = next(t for t in keras.tree.flatten(x) if t is not None)
-        return ops.cast(ops.shape(first)[0], "float32")
+        return samples(x)
     return ops.cast(normalizers[0], "float32")
+
+
+def samples(x):
+    """A micro-batch's number of samples (its first input's leading dimension, as
+    Keras's step counts a batch), a float32 scalar."""
+    first = next(t for t in keras.tree.flatten(x) if t is not None)
+    return ops.cast(ops.shape(first)[0], "float32")
 
 
 def screen(policy: Policy, record, gradients, loss_scaled: bool = False):
@@ -547,6 +553,18 @@ def tracks_skips(policy: Policy, loss_scaled: bool) -> bool:
     and goes on (`"skip"`, a callable, loss scaling). With `"apply"` and `"raise"`
     the trackers see every micro-batch as it is."""
     return policy.nonfinite == "skip" or callable(policy.nonfinite) or loss_scaled
+
+
+def logged_weight(policy: Policy, x, weight):
+    """The weight a micro-batch's loss takes in the loss tracker (so in `fit`'s
+    logs): its `w_i` under exact weighting, the loss's own normalizer, so a
+    window's logged loss is its large-batch loss; else (uniform, a callable) its
+    number of samples, as Keras's step weighs a batch's loss: the epoch's loss is
+    then the per-sample mean plain Keras shows for the same micro-batches, whatever
+    the gradient's weights."""
+    if policy.weighting == "exact":
+        return weight
+    return samples(x)
 
 
 def skips_possible(policy: Policy, loss_scaled: bool) -> bool:

@@ -162,7 +162,7 @@ class TrainStep:
         carry.non_trainable = kept_unless(accepted, carry.non_trainable, before)
         self.follow(carry, before, self.forward_state, record.outcome)
         logs, carry.metrics = self.stateless_metrics(
-            self.forward_metrics, loss, weight,
+            self.forward_metrics, loss, tr.logged_weight(self.policy, x, weight),
             lambda: self.model.compute_metrics(x, y, y_pred, sample_weight),
         )
         if tr.tracks_skips(self.policy, self.loss_scaled):
@@ -285,7 +285,8 @@ class TrainStep:
                 self.forward_metrics, None, None,
                 lambda: self.model.compute_metrics(x, y, y_pred, sample_weight),
             )
-            weight = weight.astype("float32")
+            # The batch's loss weighs each micro-batch as the loss tracker would.
+            weight = tr.logged_weight(self.policy, x, weight).astype("float32")
             loss = loss.astype("float32")
             if tracks_skips:
                 # A skipped micro-batch's loss and metrics join nothing.

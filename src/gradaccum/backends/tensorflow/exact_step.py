@@ -34,7 +34,8 @@ def exact_step(accumulation, data):
     )
 
     def update():
-        kc.loss_tracker(host).update_state(loss, sample_weight=weight)
+        kc.loss_tracker(host).update_state(
+            loss, sample_weight=tr.logged_weight(accumulation.policy, x, weight))
         return host.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     return tracked(accumulation, accepted, update)

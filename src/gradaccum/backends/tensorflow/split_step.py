@@ -72,7 +72,8 @@ def _exact_micro_batch(accumulation, micro, weighted, weights):
     )
     exact_step.tracked(accumulation, accepted, lambda: accumulation.host.compute_metrics(
         x, y, y_pred, sample_weight=sample_weight))
-    weight = tf.cast(weight, tf.float32)
+    # The batch's loss weighs each micro-batch as the loss tracker would.
+    weight = tf.cast(tr.logged_weight(accumulation.policy, x, weight), tf.float32)
     if tr.tracks_skips(accumulation.policy,
                        kc.is_loss_scale_optimizer(accumulation.host.optimizer)):
         # A skipped micro-batch's loss joins nothing.
