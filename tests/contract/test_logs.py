@@ -138,3 +138,106 @@ def test_epoch_loss_is_the_per_sample_mean_under_every_weighting(weighting, spli
     for name in ("loss", "accuracy", "xent"):
         assert history.history[name][0] == pytest.approx(expected[name], rel=1e-5), name
     assert history.history["updates"] == [1.0, 2.0]
+
+
+class TrackedStep(keras.Model):
+    """A model with its own train_step in Keras's pattern for the backend (a tape
+    and `apply_gradients` on TensorFlow, keras.io's stateless step on JAX) that
+    updates the model's trackers and also logs its raw batch loss as `raw`."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.out = keras.layers.Dense(3)
+        self.accuracy = keras.metrics.SparseCategoricalAccuracy(name="accuracy")
+
+    def call(self, x, training=False):
+        return self.out(self.hidden(x))
+
+    def train_step(self, *args):
+        if keras.backend.backend() == "jax":
+            return self._jax_step(*args)
+        import tensorflow as tf
+
+        (x, y) = args[0]
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        logs = {}
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+            logs[metric.name] = metric.result()
+        logs["raw"] = loss
+        return logs
+
+    def _jax_step(self, state, data):
+        import jax
+
+        trainable, non_trainable, optimizer_variables, metrics_variables = state
+        x, y = data
+
+        def objective(trainable, non_trainable):
+            y_pred, non_trainable = self.stateless_call(trainable, non_trainable, x,
+                                                        training=True)
+            return self.compute_loss(x, y, y_pred), (y_pred, non_trainable)
+
+        (loss, (y_pred, non_trainable)), grads = jax.value_and_grad(
+            objective, has_aux=True)(trainable, non_trainable)
+        trainable, optimizer_variables = self.optimizer.stateless_apply(
+            optimizer_variables, grads, trainable)
+        new_metrics_variables, logs = [], {}
+        for metric in self.metrics:
+            start = len(new_metrics_variables)
+            these = metrics_variables[start:start + len(metric.variables)]
+            if metric.name == "loss":
+                these = metric.stateless_update_state(these, loss)
+            else:
+                these = metric.stateless_update_state(these, y, y_pred)
+            logs[metric.name] = metric.stateless_result(these)
+            new_metrics_variables += these
+        logs["raw"] = loss
+        return logs, (trainable, non_trainable, optimizer_variables, new_metrics_variables)
+
+
+def _tracked_step(nonfinite="skip"):
+    model = TrackedStep()
+    model(np.zeros((1, 6), "float32"))
+    model.set_weights(mlp(0).get_weights())
+    gradaccum.accumulate(model, steps=2, nonfinite=nonfinite)
+    model.compile(keras.optimizers.Adam(0.01), SCE, steps_per_execution=1)
+    return model
+
+
+def test_a_models_own_step_keeps_a_skipped_micro_batch_out_of_its_trackers():
+    x, y = _data_with_a_nan()
+    model = _tracked_step()
+    logs = _Logs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        history = model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
+                            callbacks=[keras.callbacks.TerminateOnNaN(), logs])
+    assert history.history["updates"] == [2.0, 4.0, 6.0]
+    assert history.history["skipped"] == [1.0, 2.0, 3.0]
+    for entry in logs.batches + logs.epochs:
+        assert np.isfinite(entry["loss"]) and np.isfinite(entry["accuracy"]), entry
+    for epoch in range(3):
+        first, second = logs.batches[4 * epoch], logs.batches[4 * epoch + 1]
+        assert second["loss"] == pytest.approx(first["loss"], rel=1e-6)
+        assert second["accuracy"] == pytest.approx(first["accuracy"], rel=1e-6)
+        # An entry that is no tracker's result is logged as the step returned it.
+        assert np.isnan(second["raw"])
+    # The epoch's loss is the mean of the three used micro-batches' losses.
+    raws = [logs.batches[i]["raw"] for i in (8, 10, 11)]
+    assert history.history["loss"][2] == pytest.approx(np.mean(raws), rel=1e-5)
+
+
+def test_a_models_own_step_with_nonfinite_apply_reports_the_nan():
+    x, y = _data_with_a_nan()
+    model = _tracked_step(nonfinite="apply")
+    history = model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert np.isnan(history.history["loss"][0])

@@ -567,6 +567,26 @@ def logged_weight(policy: Policy, x, weight):
     return samples(x)
 
 
+def kept_logs(accepted, logs, trackers):
+    """A step's `logs` (its returned dict) where its micro-batch may have been
+    skipped: where not `accepted`, each entry named as one of `trackers` (the
+    model's metric results, read after the skip was undone) takes the tracker's
+    value; the others (a model's own step may log a raw loss) stay as returned."""
+    if not isinstance(logs, dict):
+        return logs
+    kept = dict(logs)
+    for name, value in logs.items():
+        tracker = trackers.get(name)
+        if tracker is None:
+            continue
+        value = ops.convert_to_tensor(value)
+        tracker = ops.convert_to_tensor(tracker)
+        if tuple(value.shape) != tuple(tracker.shape):
+            continue
+        kept[name] = ops.where(accepted, value, ops.cast(tracker, value.dtype))
+    return kept
+
+
 def skips_possible(policy: Policy, loss_scaled: bool) -> bool:
     """Whether a micro-batch can be skipped (then `skipped` is logged)."""
     return policy.nonfinite != "apply" or loss_scaled

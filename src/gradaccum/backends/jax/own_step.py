@@ -31,7 +31,7 @@ import keras
 
 from gradaccum import _keras_common as kc
 from gradaccum._validation import check_optimizer
-from gradaccum.backends.jax.record import FitRecord, WindowRecord
+from gradaccum.backends.jax.record import FitRecord, WindowRecord, kept_unless
 from gradaccum.backends.jax.state import window_prefix
 from gradaccum.core import transitions as tr
 
@@ -122,9 +122,19 @@ def run(step, carry, data) -> dict:
     # optimizer's saw the same micro-batches).
     step.follow(carry, entry_non_trainable, non_trainable_out,
                 handover.outcomes[0]._replace(accepted=accepted))
+    entry_metrics = list(carry.metrics)
     for i, value in zip(theirs, metrics_out):
         carry.metrics[i] = value
-    return dict(logs)
+    logs = dict(logs)
+    if tr.tracks_skips(step.policy, step.loss_scaled):
+        # The step's own trackers leave out a micro-batch any of its optimizers
+        # skipped, as Keras's step's do.
+        used = jnp.all(jnp.stack(handover.accepted))
+        carry.metrics = kept_unless(used, carry.metrics, entry_metrics)
+        trackers, _ = step.stateless_metrics(carry.metrics, None, None,
+                                             model.get_metrics_result)
+        logs = tr.kept_logs(used, logs, trackers)
+    return logs
 
 
 def loss_scaling_fits(step, appliers) -> bool:

@@ -256,3 +256,10 @@ class WindowRecord(FitRecord):
         step = self.step
         self.carry.optimizer[step.counter_slot] = counter
         self.carry.optimizer[step.scale_slot] = scale
+
+
+def kept_unless(accepted, new, old) -> list:
+    """Variables after a micro-batch (`new`: non-trainable ones, statistics and
+    seeds, or the metrics'), or as they were (`old`) where it was not accumulated
+    (skipped: it never reaches the weights nor the logs)."""
+    return [jnp.where(accepted, n, o) for n, o in zip(new, old)]

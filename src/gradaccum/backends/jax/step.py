@@ -30,7 +30,13 @@ from gradaccum._validation import check_batch_dimensions
 from gradaccum.backends.jax import own_step as _own_step
 from gradaccum.backends.jax import privacy
 from gradaccum.backends.jax.own_step import Applier
-from gradaccum.backends.jax.record import Carry, FitRecord, LossScaling, WindowRecord
+from gradaccum.backends.jax.record import (
+    Carry,
+    FitRecord,
+    LossScaling,
+    WindowRecord,
+    kept_unless,
+)
 from gradaccum.backends.jax.state import AccumulationState, window_prefix
 from gradaccum.core import transitions as tr
 from gradaccum.core.moving_statistics import Follower
@@ -444,13 +450,6 @@ class TrainStep:
     @property
     def primary_optimizer(self):
         return self.appliers[self.primary_index].optimizer
-
-
-def kept_unless(accepted, new, old) -> list:
-    """The non-trainable variables after a micro-batch (statistics, seeds), or as
-    they were where it was not accumulated (skipped: it never reaches the
-    weights)."""
-    return [jnp.where(accepted, n, o) for n, o in zip(new, old)]
 
 
 def batch_size(data) -> int:

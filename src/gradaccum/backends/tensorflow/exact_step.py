@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from gradaccum.backends.tensorflow import batch_norm, following, privacy
 from gradaccum.backends.tensorflow import keras_compat as kc
+from gradaccum.backends.tensorflow import logs as _logs
 from gradaccum.core import transitions as tr
 
 
@@ -38,23 +39,7 @@ def exact_step(accumulation, data):
             loss, sample_weight=tr.logged_weight(accumulation.policy, x, weight))
         return host.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
-    return tracked(accumulation, accepted, update)
-
-
-def tracked(accumulation, accepted, update):
-    """Runs `update()` (the loss tracker's and the metrics' update, returning the
-    logs) so that a skipped micro-batch leaves the trackers as they were
-    (`core.transitions.tracks_skips`): History, the progress bar and callbacks such
-    as TerminateOnNaN see the micro-batches that were used. Returns the logs."""
-    host = accumulation.host
-    if not tr.tracks_skips(accumulation.policy, kc.is_loss_scale_optimizer(host.optimizer)):
-        return update()
-    variables = list(host.metrics_variables)
-    before = [tf.identity(v.value) for v in variables]
-    update()
-    for variable, old in zip(variables, before):
-        variable.assign(tf.where(accepted, variable.value, old))
-    return host.get_metrics_result()
+    return _logs.tracked(accumulation, update, lambda: accepted)
 
 
 def micro_batch(accumulation, x, y, sample_weight, single=False, end=None, closes=True):

@@ -19,7 +19,31 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from gradaccum.backends.tensorflow import keras_compat as kc
 from gradaccum.core import transitions as tr
+
+
+def tracked(accumulation, update, accepted):
+    """Runs `update()` (what moves the trackers and returns the step's logs: the
+    loss tracker's and the compiled metrics' update, or a model's own train_step)
+    so that a micro-batch that `accepted()` (called after it) says was skipped
+    leaves the model's trackers as they were, where the policy skips and goes on
+    (`core.transitions.tracks_skips`): History, the progress bar and callbacks
+    such as TerminateOnNaN see the micro-batches that were used. Returns the logs,
+    each entry that is a tracker's result read after the skip was undone
+    (`core.transitions.kept_logs`)."""
+    host = accumulation.host
+    if not tr.tracks_skips(accumulation.policy, kc.is_loss_scale_optimizer(host.optimizer)):
+        return update()
+    variables = list(host.metrics_variables)
+    before = [tf.identity(v.value) for v in variables]
+    logs = update()
+    used = accepted()
+    if used is None:
+        return logs
+    for variable, old in zip(variables, before):
+        variable.assign(tf.where(used, variable.value, old))
+    return tr.kept_logs(used, logs, host.get_metrics_result())
 
 
 def updating_optimizer(accumulation):

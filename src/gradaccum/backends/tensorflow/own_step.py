@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from gradaccum.backends.tensorflow import batch_norm, following
 from gradaccum.backends.tensorflow import keras_compat as kc
+from gradaccum.backends.tensorflow import logs as _logs
 from gradaccum.core import transitions as tr
 
 
@@ -26,6 +27,14 @@ def _scaled(gradient, factor):
         values = gradient.values * tf.cast(factor, gradient.values.dtype)
         return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
     return gradient * tf.cast(factor, gradient.dtype)
+
+
+def _all_accepted(outcomes):
+    """Whether every optimizer call of a step accepted its micro-batch (None: the
+    step made none)."""
+    if not outcomes:
+        return None
+    return tf.reduce_all(tf.stack([tf.convert_to_tensor(o.accepted) for o in outcomes]))
 
 
 class OwnStep:
@@ -72,12 +81,18 @@ class OwnStep:
         local.outcomes = []
         layers = state.own[0][0].batch_normalization_layers if state.own else []
         start = following.begin(accumulation)
-        self._route([optimizer for _, optimizer in kc.named_optimizers(host)])
-        try:
-            with batch_norm.driving(layers), accumulation.follower.observing():
-                logs = own_step(data)
-        finally:
-            self._end_route()
+
+        def step():
+            self._route([optimizer for _, optimizer in kc.named_optimizers(host)])
+            try:
+                with batch_norm.driving(layers), accumulation.follower.observing():
+                    return own_step(data)
+            finally:
+                self._end_route()
+
+        # The step's own trackers leave out a micro-batch any of its optimizers
+        # skipped, as Keras's step's do.
+        logs = _logs.tracked(accumulation, step, lambda: _all_accepted(local.outcomes))
         local.micro_batch = None
         if local.outcomes:
             # The moving statistics follow the first optimizer's window (every

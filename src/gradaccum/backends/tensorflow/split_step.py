@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from gradaccum.backends.tensorflow import exact_step, following
 from gradaccum.backends.tensorflow import keras_compat as kc
+from gradaccum.backends.tensorflow import logs as _logs
 from gradaccum.backends.tensorflow import split as _split
 from gradaccum.core import transitions as tr
 
@@ -70,8 +71,8 @@ def _exact_micro_batch(accumulation, micro, weighted, weights):
     y_pred, loss, weight, accepted = exact_step.micro_batch(
         accumulation, x, y, sample_weight, closes=False
     )
-    exact_step.tracked(accumulation, accepted, lambda: accumulation.host.compute_metrics(
-        x, y, y_pred, sample_weight=sample_weight))
+    _logs.tracked(accumulation, lambda: accumulation.host.compute_metrics(
+        x, y, y_pred, sample_weight=sample_weight), lambda: accepted)
     # The batch's loss weighs each micro-batch as the loss tracker would.
     weight = tf.cast(tr.logged_weight(accumulation.policy, x, weight), tf.float32)
     if tr.tracks_skips(accumulation.policy,
