@@ -4,6 +4,7 @@ against the same model trained on the concatenated windows (issue 14)."""
 from __future__ import annotations
 
 import json
+import warnings
 
 import keras
 import numpy as np
@@ -681,3 +682,25 @@ def test_backup_and_restore_takes_a_step_whose_logs_come_in_another_order(tmp_pa
     assert_weights_close(ordered, plain, rtol=1e-6, atol=1e-7)
     for key in ("loss", "accuracy", "updates"):
         np.testing.assert_allclose(ordered_history[key], plain_history[key], rtol=1e-6)
+
+
+def test_fit_says_once_that_the_dcgan_order_is_approximate():
+    # As audit names it (issue 46, item 3); a window of one micro-batch is exact.
+    x, y = data(24)
+    model = _dcgan(steps=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    said = [str(w.message) for w in caught if "computes the gradients" in str(w.message)]
+    assert said == [
+        "Accumulation is approximate for this model. The model's train_step computes "
+        "the gradients it hands to `self.opt_b` after applying `self.opt_a`, from "
+        "variables `self.opt_a` updates (a GAN in keras.io's DCGAN order): on the "
+        "large batch they see that update; accumulated, they are taken at the weights "
+        "the window started from."
+    ]
+    model = _dcgan(steps=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert not [w for w in caught if "approximate" in str(w.message)]

@@ -103,15 +103,25 @@ def compiled_loss(model):
     return getattr(model, "_compile_loss", None)
 
 
-def count_compiled_losses(compile_loss) -> int:
-    """How many loss terms a model's compiled loss (Keras's CompileLoss) holds."""
+def count_compiled_losses(compile_loss, model=None) -> int:
+    """How many loss terms a model's compiled loss (Keras's CompileLoss) holds: its
+    built terms, or before it is built those it will build, a single loss counted
+    once per output of `model` (Keras gives it to each)."""
     if compile_loss is None:
         return 0
     flat = getattr(compile_loss, "_flat_losses", None)
-    if flat is None:
-        flat = [loss for loss in keras.tree.flatten(compile_loss._user_loss)
-                if loss is not None]
-    return len(flat)
+    if flat is not None:
+        return len(flat)
+    user = compile_loss._user_loss
+    count = len([loss for loss in keras.tree.flatten(user) if loss is not None])
+    if not keras.tree.is_nested(user) and model is not None:
+        try:
+            outputs = model.outputs
+        except (AttributeError, ValueError):
+            outputs = None
+        if outputs:
+            count = max(count, len(keras.tree.flatten(outputs)))
+    return count
 
 
 def flatten_layers(layer) -> list:

@@ -66,6 +66,34 @@ class Findings(NamedTuple):
     inexact: bool
     skipped: int
 
+    def step_causes(self) -> list:
+        """`(key, text)` for each thing the model's own step does that accumulation
+        cannot reproduce exactly: `audit` names them, `fit` warns once each."""
+        causes = []
+        for name, count in self.repeated:
+            causes.append(("repeated", (
+                f"The model's train_step applies `self.{name}` {count} times per batch: "
+                "accumulation makes those updates from gradients taken at the weights "
+                "the window started from, where the large batch's step takes each after "
+                "the previous update.")))
+        for later, earlier in self.stale:
+            causes.append(("stale", (
+                f"The model's train_step computes the gradients it hands to "
+                f"`self.{later}` after applying `self.{earlier}`, from variables "
+                f"`self.{earlier}` updates (a GAN in keras.io's DCGAN order): on the large "
+                "batch they see that update; accumulated, they are taken at the weights "
+                "the window started from.")))
+        if len(self.optimizers) > 1 and not self.stale_known:
+            names = ", ".join(f"`self.{name}`" for name in self.optimizers)
+            causes.append(("optimizers", (
+                f"The model's train_step applies {len(self.optimizers)} optimizers per "
+                f"batch ({names}): where a later call's gradients depend on variables an "
+                "earlier call updates (a GAN's generator through its discriminator), the "
+                "large batch takes them after that update and accumulation at the "
+                "weights the window started from. On JAX gradaccum cannot tell whether "
+                "they do.")))
+        return causes
+
 
 class Accumulation(abc.ABC):
     """Gradient accumulation attached to a model that `fit` trains (its host): the
@@ -264,7 +292,7 @@ class Accumulation(abc.ABC):
                     "gradient is clipped before the sum. Received: a LossScaleOptimizer "
                     "(the mixed_float16 policy); use mixed_bfloat16 or float32."
                 )
-        return max(0, kc.count_compiled_losses(kc.compiled_loss(host)) - 1)
+        return max(0, kc.count_compiled_losses(kc.compiled_loss(host), self.layers) - 1)
 
     @abc.abstractmethod
     def drop_state(self) -> None:
@@ -406,6 +434,15 @@ class Accumulation(abc.ABC):
         if message is not None and "repeated" not in self._warned:
             self._warned.add("repeated")
             warnings.warn(message, stacklevel=4)
+        if self.own_train_step is not None and self.options.window.constant != 1:
+            # What the model's own step does that a window of several micro-batches
+            # cannot reproduce, as `audit` names it (a repeated optimizer is said
+            # above, at more length).
+            for key, text in self.findings().step_causes():
+                if key != "repeated" and key not in self._warned:
+                    self._warned.add(key)
+                    warnings.warn(f"Accumulation is approximate for this model. {text}",
+                                  stacklevel=4)
 
     def size_chosen(self) -> None:
         """`micro_batch_size="auto"` ran a batch: the host's `micro_batch_size`

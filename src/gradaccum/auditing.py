@@ -21,7 +21,7 @@ import numpy as np
 
 from gradaccum import _keras_common as kc
 from gradaccum._validation import check_choice, check_steps
-from gradaccum.adapter import accumulation_of
+from gradaccum.adapter import Findings, accumulation_of
 from gradaccum.core.moving_statistics import unfollowable_reason, window_aware
 
 # Relative differences up to this are float32 noise (sums in another order); a
@@ -434,30 +434,9 @@ def _causes(model, weighting, sizes, findings, added_losses, inexact) -> list:
                 "the micro-batches', and accumulation averages them. Divide it by the "
                 "batch size."
             )
-    for name, count in findings.get("repeated", []):
-        causes.append(
-            f"The model's train_step applies `self.{name}` {count} times per batch: "
-            "accumulation makes those updates from gradients taken at the weights the "
-            "window started from, where the large batch's step takes each after the "
-            "previous update."
-        )
-    for later, earlier in findings.get("stale", []):
-        causes.append(
-            f"The model's train_step computes the gradients it hands to `self.{later}` "
-            f"after applying `self.{earlier}`, from variables `self.{earlier}` updates "
-            "(a GAN in keras.io's DCGAN order): on the large batch they see that "
-            "update; accumulated, they are taken at the weights the window started from."
-        )
-    optimizers = findings.get("optimizers", [])
-    if len(optimizers) > 1 and not findings.get("stale_known", True):
-        names = ", ".join(f"`self.{name}`" for name in optimizers)
-        causes.append(
-            f"The model's train_step applies {len(optimizers)} optimizers per batch "
-            f"({names}): where a later call's gradients depend on variables an earlier "
-            "call updates (a GAN's generator through its discriminator), the large "
-            "batch takes them after that update and accumulation at the weights the "
-            "window started from. On JAX the audit cannot tell whether they do."
-        )
+    if findings:
+        causes += [text for _, text in Findings(**{
+            name: findings[name] for name in Findings._fields}).step_causes()]
     if findings.get("skipped"):
         causes.append(
             f"{findings['skipped']} micro-batch(es) had a gradient that is not finite "

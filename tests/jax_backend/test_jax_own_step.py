@@ -6,6 +6,7 @@ against the same class trained on the windows."""
 from __future__ import annotations
 
 import re
+import warnings
 
 import jax
 import keras
@@ -803,3 +804,24 @@ def test_a_batch_normalization_follows_the_window_through_the_guides_step():
                                    np.asarray(getattr(reference.bn, name)),
                                    rtol=1e-5, atol=1e-6)
     assert abs(float(np.asarray(model.bn.moving_mean).max())) > 1e-2
+
+
+def test_fit_says_once_that_several_optimizers_may_be_approximate():
+    # JAX cannot tell from the traced step whether the second call's gradients
+    # depend on the first's update (TensorFlow can): fit says so once, as audit
+    # does (issue 46, item 3); a window of one micro-batch is exact.
+    x, y = data(24)
+    model = _dcgan(dict(steps=3))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    said = [str(w.message) for w in caught if "optimizers per batch" in str(w.message)]
+    assert len(said) == 1
+    assert said[0].startswith(
+        "Accumulation is approximate for this model. The model's train_step applies 2 "
+        "optimizers per batch (`self.opt_a`, `self.opt_b`)")
+    model = _dcgan(dict(steps=1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert not [w for w in caught if "approximate" in str(w.message)]

@@ -349,7 +349,21 @@ def track_terms(fit, record, normalizers) -> None:
     normalizers keep the same ratios across it: a window where they differ marks
     the fit `inexact` (warned once)."""
     kept = fit.get("term_ratios")
-    if not normalizers or len(normalizers) < 2 or not kept.shape[0]:
+    if not normalizers or len(normalizers) < 2:
+        return
+    if len(normalizers) - 1 > kept.shape[0]:
+        # The state was made before the compiled loss was built, for fewer terms
+        # than it computes (a subclassed model with several outputs and one loss).
+        warnings.warn(
+            f"weighting='exact' cannot check {len(normalizers) - 1 - kept.shape[0]} of "
+            f"this model's {len(normalizers)} compiled loss terms for normalizers "
+            "that change their ratios within a window (the accumulation state was "
+            "made before Keras built the compiled loss): where they do (outputs with "
+            "masks of their own), the accumulation is approximate without this "
+            "warning. Give the compiled loss as a list or dict, one per output.",
+            stacklevel=2,
+        )
+    if not kept.shape[0]:
         return
     first = ops.cast(normalizers[0], "float32")
     ratios = ops.stack([ops.divide_no_nan(ops.cast(n, "float32"), first)
