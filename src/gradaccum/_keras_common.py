@@ -226,3 +226,46 @@ def stateless_updating_only(optimizer, keep):
         yield
     finally:
         del optimizer.update_step
+
+
+@contextlib.contextmanager
+def overriding(obj, **methods):
+    """Sets instance attributes for the block, then puts back what was there."""
+    missing = object()
+    previous = {name: obj.__dict__.get(name, missing) for name in methods}
+    for name, method in methods.items():
+        setattr(obj, name, method)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is missing:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, value)
+
+
+@contextlib.contextmanager
+def observing_epoch_length(model, hook):
+    """Within the block (a `fit`), `hook.epoch_length` is set to the number of
+    batches per epoch as Keras's epoch iterator counts it (None if unknown).
+
+    Keras gives that count to callbacks as `params["steps"]` only when it builds the
+    CallbackList itself; its `fit` hands the epoch iterator to its symbolic build
+    in every case, before the first callback event (`_maybe_symbolic_build` on
+    TensorFlow, `_symbolic_build` on JAX).
+    """
+    observed = {}
+    for name in ("_maybe_symbolic_build", "_symbolic_build"):
+        build = getattr(model, name, None)
+        if build is None:
+            continue
+
+        def observe(*args, iterator=None, _build=build, **kwargs):
+            if iterator is not None:
+                hook.epoch_length = iterator.num_batches
+            return _build(*args, iterator=iterator, **kwargs)
+
+        observed[name] = observe
+    with overriding(model, **observed):
+        yield

@@ -199,12 +199,14 @@ class Accumulation(abc.ABC):
         return history
 
     def fitting(self, hook):
-        """The context `fit` runs in (the backend's: epoch lengths, workers)."""
-        return contextlib.nullcontext()
+        """The context `fit` runs in: the hook told the epoch's length as Keras's
+        epoch iterator counts it, whatever callbacks `fit` was given (a caller's
+        `CallbackList` gets no `params["steps"]`); a backend adds its own (workers)."""
+        return kc.observing_epoch_length(self.host, hook)
 
     def epoch_length(self, hook) -> int | None:
         """Batches per epoch of the running fit (None: unknown)."""
-        return (hook.params or {}).get("steps") or None
+        return hook.epoch_length or (hook.params or {}).get("steps") or None
 
     def after_batch(self, hook, logs) -> None:
         """After each compiled call of `fit` (the hook's `on_train_batch_end`)."""

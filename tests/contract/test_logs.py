@@ -11,7 +11,7 @@ import warnings
 import keras
 import numpy as np
 import pytest
-from largebatch import SCE, mlp
+from largebatch import SCE, data, mlp
 
 import gradaccum
 
@@ -241,3 +241,47 @@ def test_a_models_own_step_with_nonfinite_apply_reports_the_nan():
     model = _tracked_step(nonfinite="apply")
     history = model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     assert np.isnan(history.history["loss"][0])
+
+
+def test_a_callback_list_given_to_fit_behaves_as_a_list():
+    # Keras gives a caller's CallbackList no `params["steps"]`; the epoch's length
+    # is still known (from Keras's epoch iterator), so the window the data ends in
+    # closes in the step, as with a list (issue 46, item 4).
+    from gradaccum.attach import accumulation_of
+
+    x, y = data(28)
+    lengths = []
+
+    class Length(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            field = accumulation_of(self.model).fit_field("epoch_length")
+            lengths.append(int(np.asarray(field.numpy())))
+
+    def fitted(make_callbacks):
+        model = gradaccum.accumulate(mlp(0), steps=3)
+        model.compile(keras.optimizers.Adam(0.01), SCE, steps_per_execution=1)
+        logs = _Logs()
+        history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0,
+                            callbacks=make_callbacks(model, [logs, Length()]))
+        return model, logs, history
+
+    listed, listed_logs, _ = fitted(lambda model, callbacks: callbacks)
+    assert lengths == [7, 7]
+    lengths.clear()
+    made = []
+
+    def as_callback_list(model, callbacks):
+        made.append(keras.callbacks.CallbackList(callbacks, add_history=True, model=model))
+        return made[0]
+
+    model, logs, _ = fitted(as_callback_list)
+    assert lengths == [7, 7]
+    assert len(made[0].callbacks) == 3  # the two given and Keras's History
+    history = next(c for c in made[0].callbacks if isinstance(c, keras.callbacks.History))
+    # 7 micro-batches per epoch = 3 + 3 + 1 (flushed): 3 updates per epoch.
+    assert history.history["updates"] == [3.0, 6.0]
+    assert int(model.optimizer.iterations) == 6
+    assert [e["loss"] for e in logs.epochs] == pytest.approx(
+        [e["loss"] for e in listed_logs.epochs], rel=1e-6)
+    for a, b in zip(model.get_weights(), listed.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)

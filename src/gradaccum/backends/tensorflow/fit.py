@@ -125,11 +125,8 @@ class Accumulation(adapter.Accumulation):
         hook the epoch's length as Keras's epoch iterator counts it."""
         stack = contextlib.ExitStack()
         stack.enter_context(kc.across_workers(self.host))
-        stack.enter_context(kc.observing_epoch_length(self.host, hook))
+        stack.enter_context(super().fitting(hook))
         return stack
-
-    def epoch_length(self, hook) -> int | None:
-        return hook.epoch_length
 
     def after_batch(self, hook, logs) -> None:
         # Named before the callbacks after the hook see them (logs that reach the

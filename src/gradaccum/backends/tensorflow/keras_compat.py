@@ -39,7 +39,9 @@ from gradaccum._keras_common import (  # noqa: F401 (re-exported)
     loss_metrics_set_aside,
     loss_tracker,
     named_optimizers,
+    observing_epoch_length,
     optimizer_name,
+    overriding,
     set_compile_config,
     squeeze_or_expand_to_same_rank,
 )
@@ -81,7 +83,7 @@ def missing_pieces() -> list[str]:
 def batch_norm_moments(layer, inputs, mask):
     """Keras's BatchNormalization moments of this replica's micro-batch (mask-aware),
     never synchronized: gradaccum pools the replicas' statistics itself."""
-    with _overriding(layer, synchronized=False):
+    with overriding(layer, synchronized=False):
         return layer._moments(inputs, mask)
 
 
@@ -150,7 +152,7 @@ def applying_across_replicas(optimizer, strategy):
             if optimizer._use_weight_decay(variable):
                 strategy.extended.update(tf_variable(variable), decay, group=False)
 
-    with _overriding(optimizer, _backend_update_step=update_step,
+    with overriding(optimizer, _backend_update_step=update_step,
                      _apply_weight_decay=apply_weight_decay):
         yield
 
@@ -186,27 +188,7 @@ def updating_only(optimizer, keep):
 
             tf.cond(keep(var_key(optimizer, variable)), decay, lambda: tf.constant(False))
 
-    with _overriding(optimizer, update_step=masked_step, _apply_weight_decay=masked_decay):
-        yield
-
-
-@contextlib.contextmanager
-def observing_epoch_length(model, hook):
-    """Within the block (a `fit`), `hook.epoch_length` is set to the number of
-    batches per epoch as Keras's epoch iterator counts them (None if unknown).
-
-    Keras gives that count to callbacks as `params["steps"]` only when it builds the
-    CallbackList itself; `fit` hands its epoch iterator to `_maybe_symbolic_build`
-    in every case, before the first callback event.
-    """
-    build = model._maybe_symbolic_build
-
-    def observed(*args, iterator=None, **kwargs):
-        if iterator is not None:
-            hook.epoch_length = iterator.num_batches
-        return build(*args, iterator=iterator, **kwargs)
-
-    with _overriding(model, _maybe_symbolic_build=observed):
+    with overriding(optimizer, update_step=masked_step, _apply_weight_decay=masked_decay):
         yield
 
 
@@ -275,7 +257,7 @@ def across_workers(model):
         overrides[f"make_{kind}_function"] = _unpacking_logs(model, kind, make, structure)
     model.__dict__["_gradaccum_across_workers"] = True
     try:
-        with _overriding(model, **overrides):
+        with overriding(model, **overrides):
             yield
     finally:
         del model.__dict__["_gradaccum_across_workers"]
@@ -354,23 +336,6 @@ def apply_gradients(optimizer, pairs) -> None:
 def var_key(optimizer, variable):
     """The key under which `optimizer` knows `variable` (a replica's copy included)."""
     return optimizer._var_key(variable)
-
-
-@contextlib.contextmanager
-def _overriding(obj, **methods):
-    """Sets instance attributes for the block, then puts back what was there."""
-    missing = object()
-    previous = {name: obj.__dict__.get(name, missing) for name in methods}
-    for name, method in methods.items():
-        setattr(obj, name, method)
-    try:
-        yield
-    finally:
-        for name, value in previous.items():
-            if value is missing:
-                delattr(obj, name)
-            else:
-                setattr(obj, name, value)
 
 
 __all__ = [
