@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pathlib
 import re
+import shutil
+import tempfile
 
 import keras
 import numpy as np
@@ -174,6 +178,50 @@ def load_four_into_six(tmp_path):
     plain = keras.Sequential([keras.Input((3,)), gradaccum.BatchNormalization(name="bn")])
     layer = plain.layers[0]
     layer.load_own_variables({str(i): np.zeros(3) for i in range(6)})
+
+
+def saved_state(problem):
+    """`load_weights` of an accumulated model, its weights saved as `model.weights.h5`
+    (a relative path, in a folder of its own) with a window open, then: another save's
+    weights copied over them (`other-weights`), the state file cut in half
+    (`damaged`), a model with another window rule or other variables, a state file
+    of gradaccum's first format."""
+    folder = tempfile.mkdtemp()
+    with contextlib.chdir(folder):
+        try:
+            x, y = make_data(24)
+
+            def trainer(steps=4, hidden=16):
+                keras.utils.set_random_seed(0)
+                net = keras.Sequential([keras.Input((5,)),
+                                        keras.layers.Dense(hidden, activation="tanh"),
+                                        keras.layers.Dense(3)])
+                model = gradaccum.accumulate(net, steps=steps, partial="carry")
+                model.compile(keras.optimizers.Adam(0.01), SCE)
+                return model
+
+            model = trainer()
+            model.fit(x, y, batch_size=4, verbose=0)
+            model.save_weights("model.weights.h5")
+            loader = trainer(**{"window": {"steps": 8}, "model": {"hidden": 8}}.get(problem, {}))
+            loader.build((None, 5))
+            loader.optimizer.build(loader.trainable_variables)
+            if problem == "other-weights":
+                other = trainer()
+                other.fit(x[:12], y[:12], batch_size=4, verbose=0)
+                other.save_weights("other.weights.h5")
+                shutil.copy("other.weights.h5", "model.weights.h5")
+            elif problem == "damaged":
+                size = os.path.getsize("model.weights.h5.gradaccum.npz")
+                with open("model.weights.h5.gradaccum.npz", "r+b") as f:
+                    f.truncate(size // 2)
+            elif problem == "format":
+                with np.load("model.weights.h5.gradaccum.npz") as store:
+                    kept = {k: store[k] for k in store.files if k.startswith("gradaccum_")}
+                np.savez("model.weights.h5.gradaccum.npz", **kept)
+            loader.load_weights("model.weights.h5")
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def audited(steps=2, batch_size=4, compiled=True, built=True, accumulated=False,
@@ -351,6 +399,11 @@ CASES = {
     "wrap-convert-batch-norm": lambda: trainer(convert_batch_norm="yes"),
     "wrap-nonfinite": lambda: trainer(nonfinite="ignore"),
     "wrap-moving-statistics": lambda: trainer(moving_statistics="pooled"),
+    "load-state-other-weights": lambda: saved_state("other-weights"),
+    "load-state-damaged": lambda: saved_state("damaged"),
+    "load-state-window": lambda: saved_state("window"),
+    "load-state-model": lambda: saved_state("model"),
+    "load-state-format": lambda: saved_state("format"),
     "wrap-outside-scope": lambda: built_outside_then_in(
         two_replicas(), lambda m: gradaccum.wrap(m, steps=2)
     ),

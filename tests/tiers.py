@@ -110,6 +110,8 @@ FEATURES = {
         "contract/test_fit.py::test_a_schedule_of_steps_by_update_index",
     "every backend: resuming inside a window":
         "contract/test_fit.py::test_save_weights_in_the_middle_of_a_window_resumes_exactly",
+    "every backend: the weights and the window state one pair (a backup's fallback)":
+        "contract/test_state_file.py::test_backup_and_restore_falls_back_with_the_backups_window",
     "every backend: the state machine, transition by transition":
         "contract/test_transitions.py::test_a_window_of_three_applies_the_weighted_mean_once_and_resets",
     # The JAX suite (tests/jax_backend, its own process with KERAS_BACKEND=jax).
@@ -144,6 +146,13 @@ FEATURES = {
 }
 
 SLOW = [
+    # A process per kill point (38 on each backend).
+    "contract/test_kill_during_save.py",
+    # The fast tier keeps data of unknown length through `wrap` and the shared layer
+    # of one model.
+    "test_odd_data.py::test_inputs_of_unknown_batch_size_and_length",
+    "contract/test_moving_statistics.py::"
+    "test_a_layer_two_accumulated_models_share_follows_each_of_them",
     # Keras's BatchNormalization followed: the fast tier keeps the small models.
     "contract/test_moving_statistics.py::test_keras_applications_resnet50_follows_the_window",
     "contract/test_moving_statistics.py::"
@@ -377,6 +386,7 @@ MULTI_DEVICE = [
 ]
 
 SUBPROCESS = [
+    "contract/test_kill_during_save.py",
     "jax_backend/test_jax_distribution.py",
     "test_faults.py",
     "test_install.py",

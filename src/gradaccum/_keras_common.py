@@ -22,6 +22,7 @@ from keras.src.losses.loss import (  # noqa: F401 (re-exported)
 )
 from keras.src.losses.losses import LossFunctionWrapper  # noqa: F401 (re-exported)
 from keras.src.trainers.trainer import Trainer
+from keras.src.utils.io_utils import ask_to_proceed_with_overwrite  # noqa: F401 (re-exported)
 
 # (owner, attribute, parameters after `self` that gradaccum passes; None: an
 # attribute read, not called). Module-level functions have the module as owner.

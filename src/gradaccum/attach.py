@@ -14,9 +14,8 @@ import os
 import warnings
 
 import keras
-import numpy as np
 
-from gradaccum import _backend, saving
+from gradaccum import _backend, state_file
 from gradaccum import _keras_common as kc
 from gradaccum._validation import check_optimizer
 from gradaccum.adapter import ATTRIBUTE, accumulation_of
@@ -242,20 +241,31 @@ def _install(model, accumulation) -> None:
             lambda force: cls.make_train_function(model, force=force), force
         )
 
-    def save_weights(filepath, *args, **kwargs):
-        result = cls.save_weights(model, filepath, *args, **kwargs)
+    def save_weights(filepath, overwrite=True, **kwargs):
+        # The weights and the window state as one pair, whatever a kill meets
+        # (gradaccum.state_file).
+        filepath = os.fspath(filepath)
+        if not overwrite and os.path.exists(filepath):
+            if not kc.ask_to_proceed_with_overwrite(filepath):
+                return None
         store = {}
         accumulation.save_to(store)
-        if store:
-            np.savez(saving.sidecar(filepath), **store)
-        return result
+        state_file.save(lambda path: cls.save_weights(model, path, overwrite=True, **kwargs),
+                        filepath, store, _signature(model, accumulation))
+        return None
 
     def load_weights(filepath, *args, **kwargs):
+        # The state first: one that does not belong here changes nothing (unless
+        # the weights file itself is unreadable: then Keras's OSError, which
+        # BackupAndRestore(double_checkpoint=True) answers with its backup).
+        try:
+            store = state_file.load(filepath, _signature(model, accumulation))
+        except ValueError:
+            state_file.check_readable(filepath)
+            raise
         result = cls.load_weights(model, filepath, *args, **kwargs)
-        path = saving.sidecar(filepath)
-        if os.path.exists(path):
-            with np.load(path) as store:
-                accumulation.load_from({key: store[key] for key in store.files})
+        if store is not None:
+            accumulation.load_from(store)
         return result
 
     for name, method in (
@@ -272,6 +282,16 @@ def _install(model, accumulation) -> None:
         model.__dict__[name] = method
     if accumulation.options.split:
         model.__dict__[_SIZE] = accumulation.micro_batch_size
+
+
+def _signature(model, accumulation) -> dict:
+    """Which model and window rule a saved window state is for."""
+    return {
+        # The trainable variables in order, by shape (paths change from one
+        # instance of a model to the next; Keras loads weights by structure).
+        "model": [list(v.shape) for v in model.trainable_variables],
+        "window": accumulation.options.rule(),
+    }
 
 
 def _recompile(model, accumulation, *, user_config, steps_per_execution_given):

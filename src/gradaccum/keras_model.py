@@ -10,11 +10,13 @@ and `compute_loss`; `wrap` stays for code written against it.
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import keras
 
-from gradaccum import _backend
+from gradaccum import _backend, state_file
+from gradaccum import _keras_common as kc
 from gradaccum._validation import check_optimizer
 from gradaccum.adapter import ATTRIBUTE
 from gradaccum.core.options import NAMES, Options, documented, given
@@ -204,6 +206,19 @@ class AccumulatingModel(keras.Model):
         return self._accumulation.train_step(*args)
 
     # Saving: the accumulation state travels with the weights ---------------------
+
+    def save_weights(self, filepath, overwrite=True, **kwargs):
+        """Keras's `save_weights`, the window state inside the weights file,
+        written to a temporary file renamed over `filepath`: a kill during the save
+        leaves the previous file whole (`gradaccum.state_file`)."""
+        filepath = os.fspath(filepath)
+        if not overwrite and os.path.exists(filepath):
+            if not kc.ask_to_proceed_with_overwrite(filepath):
+                return
+        state_file.save_atomically(
+            lambda path: super(AccumulatingModel, self).save_weights(
+                path, overwrite=True, **kwargs),
+            filepath)
 
     def save_own_variables(self, store):
         super().save_own_variables(store)

@@ -209,6 +209,28 @@ class Options:
     def weight_per_update(self) -> float | None:
         return self.window.weight_per_update
 
+    def rule(self) -> dict:
+        """What a saved window means, as plain values: when it closes (`steps`, a
+        schedule, a budget, split mode), how its micro-batches are weighed and
+        combined, and whether it is private. A saved state goes on only under the
+        same rule."""
+
+        def named(value):
+            if callable(value):
+                return getattr(value, "__qualname__", type(value).__qualname__)
+            if isinstance(value, (list, tuple)):
+                return [named(v) for v in value]
+            return value
+
+        return {
+            "steps": named(self.steps),
+            "weight_per_update": self.weight_per_update,
+            "split": self.split,
+            "weighting": named(self.weighting),
+            "reduction": self.reduction,
+            "private": self.privacy is not None,
+        }
+
     def steps_per_execution(self, replicas: int) -> int:
         """Micro-batches a compiled call runs by default (`steps_per_execution`
         "window"): the window's length when it is constant, else 1 (schedules,

@@ -1,0 +1,273 @@
+"""The accumulation state file beside `save_weights`' file (`accumulate`'s models),
+written so that the weights and the window state on disk are always one consistent
+pair, whatever a save is killed at.
+
+A save (`save`):
+
+1. writes the weights to a temporary file beside the target (`.weights.h5`: the
+   weights are then replaced in one rename);
+2. writes the state file to a temporary name, holding the new state tied to the new
+   weights (the SHA-256 of their file) and the state of the save before it tied to
+   the weights still on disk, then renames it over the old one;
+3. renames the new weights over the old ones.
+
+Killed before 2's rename, the disk holds the previous pair; between the two renames,
+the previous weights and a state file whose previous entry belongs to them; after 3,
+the new pair. A load (`load`) takes the entry whose weights digest is the file's: so
+`BackupAndRestore(double_checkpoint=True)`, which copies the last weights to its
+backup before each save and falls back to that copy when the main file is
+unreadable, gets the window saved with the backup.
+
+A state file that cannot be read, that belongs to no weights beside it, or that was
+written for another model, another window rule or another format is an error that
+names the file and the way out, never an empty or a wrong window.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import zipfile
+
+import numpy as np
+
+from gradaccum import saving
+
+FORMAT = 2
+# The keys of the state file besides the state's own (`saving.PREFIX`).
+_FORMAT = "gradaccum@format"
+_SIGNATURE = "gradaccum@signature"
+_WEIGHTS = "gradaccum@weights"
+_PREVIOUS = "previous@"
+
+_SUFFIX = ".weights.h5"
+
+
+def digest(filepath) -> str:
+    """The SHA-256 of a weights file (a sharded save's `.weights.json` and every
+    shard it lists)."""
+    paths = [os.fspath(filepath)]
+    if paths[0].endswith(".weights.json"):
+        with open(paths[0]) as f:
+            listed = json.load(f)
+        shards = sorted({name for name in _shard_names(listed)})
+        folder = os.path.dirname(paths[0])
+        paths += [os.path.join(folder, name) for name in shards]
+    hasher = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            hasher.update(hashlib.file_digest(f, "sha256").digest())
+    return hasher.hexdigest()
+
+
+def _shard_names(listed) -> list:
+    """The shard files a sharded save's `.weights.json` names."""
+    names = []
+    if isinstance(listed, dict):
+        for value in listed.values():
+            if isinstance(value, str) and value.endswith(_SUFFIX):
+                names.append(value)
+            else:
+                names += _shard_names(value)
+    elif isinstance(listed, list):
+        for value in listed:
+            names += _shard_names(value)
+    return names
+
+
+def save(save_weights, filepath, state: dict, signature: dict) -> None:
+    """Saves the weights with `save_weights(path)` (Keras's, to the path given) and
+    `state` (the accumulation state's entries, `saving.PREFIX` names) beside them
+    as one consistent pair: see the module's docstring. `signature` says which
+    model and window rule the state is for."""
+    filepath = os.fspath(filepath)
+    path = saving.sidecar(filepath)
+    # The entry of the save before this one, kept while its weights are on disk.
+    previous = {}
+    if os.path.exists(filepath) and os.path.exists(path):
+        try:
+            on_disk = digest(filepath)
+            previous = _entry_for(filepath, path, on_disk)
+            previous[_WEIGHTS] = np.asarray(on_disk)
+        except (ValueError, OSError):
+            previous = {}
+
+    def commit(written):
+        store = {_FORMAT: np.asarray(FORMAT),
+                 _SIGNATURE: np.asarray(json.dumps(signature, sort_keys=True)),
+                 _WEIGHTS: np.asarray(digest(written))}
+        store.update({key: np.asarray(value) for key, value in state.items()})
+        store.update({_PREVIOUS + key: value for key, value in previous.items()})
+        _write(path, store)
+
+    save_atomically(save_weights, filepath, before_rename=commit)
+
+
+def save_atomically(save_weights, filepath, before_rename=None) -> None:
+    """`save_weights(path)` to a temporary `.weights.h5` file beside `filepath`,
+    then renamed over it, so that a kill leaves the previous file whole (other
+    paths, sharded or remote, are written in place). `before_rename(path)` runs
+    between the write and the rename."""
+    filepath = os.fspath(filepath)
+    atomic = filepath.endswith(_SUFFIX) and "://" not in filepath
+    written = filepath
+    if atomic:
+        _remove_leftovers(filepath)
+        handle, written = tempfile.mkstemp(
+            prefix=_temporary_prefix(filepath), suffix=_SUFFIX,
+            dir=os.path.dirname(filepath) or ".")
+        os.close(handle)
+    try:
+        save_weights(written)
+        if before_rename is not None:
+            before_rename(written)
+        if atomic:
+            os.replace(written, filepath)
+            _sync_folder(filepath)
+    finally:
+        if atomic and os.path.exists(written):
+            os.remove(written)
+
+
+def _temporary_prefix(filepath: str) -> str:
+    """The start of the name of a save's temporary weights file."""
+    return f".{os.path.basename(filepath)[:-len(_SUFFIX)]}.gradaccum-tmp-"
+
+
+def _remove_leftovers(filepath: str) -> None:
+    """Removes the temporary files a save to `filepath` killed before its renames
+    left (never read: the pair on disk is whole without them)."""
+    folder = os.path.dirname(filepath) or "."
+    weights = _temporary_prefix(filepath)
+    state = f".{os.path.basename(saving.sidecar(filepath))}.gradaccum-tmp-"
+    for name in os.listdir(folder):
+        if ((name.startswith(weights) and name.endswith(_SUFFIX))
+                or name.startswith(state)):
+            try:
+                os.remove(os.path.join(folder, name))
+            except OSError:
+                pass
+
+
+def _write(path: str, store: dict) -> None:
+    """Writes `store` (np.savez) to `path` through a temporary file renamed over
+    it, flushed to disk first."""
+    folder = os.path.dirname(path) or "."
+    handle, temporary = tempfile.mkstemp(
+        prefix=f".{os.path.basename(path)}.gradaccum-tmp-", dir=folder)
+    try:
+        with os.fdopen(handle, "wb") as f:
+            np.savez(f, **store)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+        _sync_folder(path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+
+
+def _sync_folder(path: str) -> None:
+    """Flushes a rename in `path`'s folder to disk (where the system allows)."""
+    try:
+        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def load(filepath, signature: dict) -> dict | None:
+    """The state saved with the weights in `filepath` (`saving.PREFIX` names), or
+    None where no state file is beside them (weights saved without
+    accumulation). Raises a ValueError that names the file and the way out where
+    the state file cannot be read or does not belong to these weights, this model
+    or this window rule."""
+    filepath = os.fspath(filepath)
+    path = saving.sidecar(filepath)
+    if not os.path.exists(path):
+        return None
+    entry = _entry_for(filepath, path, digest(filepath))
+    saved = entry.pop(_SIGNATURE)
+    mismatch = _mismatch(json.loads(str(saved)), signature)
+    if mismatch:
+        raise ValueError(
+            f"The accumulation state in {path} was saved for another {mismatch}, so "
+            f"its open window cannot go on in this one. Load it into the model and "
+            "window rule that saved it; or delete the file to load the weights with "
+            "an empty window (the open window's micro-batches are lost)."
+        )
+    return entry
+
+
+def check_readable(filepath) -> None:
+    """Raises an OSError, as Keras's load does, where a `.weights.h5` file is not
+    an HDF5 file (damaged, truncated, overwritten)."""
+    filepath = os.fspath(filepath)
+    if not filepath.endswith(_SUFFIX):
+        return
+    import h5py
+
+    with h5py.File(filepath, "r"):
+        pass
+
+
+def _entry_for(filepath: str, path: str, weights_digest: str) -> dict:
+    """The entry of the state file `path` saved with the weights whose digest is
+    `weights_digest`, with its signature."""
+    try:
+        with np.load(path, allow_pickle=False) as store:
+            values = {key: store[key] for key in store.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError) as error:
+        raise ValueError(
+            f"The accumulation state file {path} cannot be read ({error}): it is "
+            "truncated or damaged. Load a save whose state file is whole; or delete "
+            "it to load the weights with an empty window (the open window's "
+            "micro-batches are lost)."
+        ) from None
+    version = values.get(_FORMAT)
+    if version is None or int(version) != FORMAT:
+        found = "none" if version is None else int(version)
+        raise ValueError(
+            f"The accumulation state file {path} has format {found}; this gradaccum "
+            f"reads format {FORMAT} (the weights and the window state saved as one "
+            "pair). Load it with the gradaccum that saved it and save again; or "
+            "delete it to load the weights with an empty window (the open window's "
+            "micro-batches are lost)."
+        )
+    for prefix in ("", _PREVIOUS):
+        if str(values.get(prefix + _WEIGHTS, "")) == weights_digest:
+            return {key[len(prefix):]: value for key, value in values.items()
+                    if key.startswith(prefix) and (prefix or not key.startswith(_PREVIOUS))
+                    and key[len(prefix):] not in (_FORMAT, _WEIGHTS)}
+    raise ValueError(
+        f"The accumulation state file {path} was not saved with the weights in "
+        f"{filepath} (a weights file copied, restored or saved without the state "
+        "file beside it?): their open window would not be these weights'. Put back "
+        "the state file saved with these weights; or delete it to load the weights "
+        "with an empty window (the open window's micro-batches are lost)."
+    )
+
+
+def _mismatch(saved: dict, current: dict) -> str | None:
+    """What differs between the signature a state was saved with and the model's
+    (None: nothing)."""
+    if saved.get("model") != current.get("model"):
+        shapes = saved.get("model") or []
+        return (f"model (trainable variables of shapes "
+                f"{', '.join(str(tuple(s)) for s in shapes)}; this model's: "
+                f"{', '.join(str(tuple(s)) for s in current.get('model') or [])})")
+    saved_rule, rule = saved.get("window") or {}, current.get("window") or {}
+    differs = [name for name in sorted(set(saved_rule) | set(rule))
+               if saved_rule.get(name) != rule.get(name)]
+    if differs:
+        said = ", ".join(f"{name}={saved_rule.get(name)!r}" for name in differs)
+        here = ", ".join(f"{name}={rule.get(name)!r}" for name in differs)
+        return f"window rule ({said}; this model's: {here})"
+    return None

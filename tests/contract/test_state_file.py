@@ -1,0 +1,207 @@
+"""The weights and the window state saved as one consistent pair (issue 43, items 1
+and 2), on every backend (this module runs in the TensorFlow and in the JAX
+process): a state that belongs to other weights, another model or another window
+rule, or a damaged state file, is a clear error that names the file and changes
+nothing; `BackupAndRestore(double_checkpoint=True)` falling back to its backup
+gets the window saved with the backup weights. The kill test
+(tests/test_kill_during_save.py) kills real processes inside saves."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+
+import keras
+import numpy as np
+import pytest
+from largebatch import SCE, assert_optimizer_close, assert_weights_close, data, mlp
+
+import gradaccum
+from gradaccum import saving, state_file
+
+
+def _trainer(steps=4, seed=0, **options):
+    model = gradaccum.accumulate(mlp(seed), steps=steps, **options)
+    model.compile(keras.optimizers.Adam(0.05), SCE, steps_per_execution=1)
+    return model
+
+
+def _ready(model):
+    model.build((None, 6))
+    model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def _weights(model):
+    return [w.copy() for w in model.get_weights()]
+
+
+def _saved_mid_window(tmp_path, name="mid", count=24, **options):
+    """A model trained on `count` samples in micro-batches of 4 with carry (windows
+    of 4 left open), saved; returns (path, model)."""
+    x, y = data(40)
+    model = _trainer(partial="carry", **options)
+    model.fit(x[:count], y[:count], batch_size=4, epochs=1, shuffle=False, verbose=0)
+    path = str(tmp_path / f"{name}.weights.h5")
+    model.save_weights(path)
+    return path, model
+
+
+def test_a_save_leaves_the_weights_and_one_state_file_and_nothing_else(tmp_path):
+    path, model = _saved_mid_window(tmp_path)
+    model.save_weights(path)
+    assert sorted(os.listdir(tmp_path)) == ["mid.weights.h5", "mid.weights.h5.gradaccum.npz"]
+    # The weights file is Keras's: a plain model loads it.
+    plain = mlp(3)
+    plain.load_weights(path)
+    for a, b in zip(plain.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_state_saved_with_other_weights_is_an_error_that_changes_nothing(tmp_path):
+    path, _ = _saved_mid_window(tmp_path, "a", count=24)
+    other, _ = _saved_mid_window(tmp_path, "b", count=12)
+    shutil.copy(other, path)  # b's weights beside a's state
+    model = _ready(_trainer(seed=5))
+    before = _weights(model)
+    message = (f"The accumulation state file {path}{saving.SIDECAR} was not saved with "
+               f"the weights in {path} (a weights file copied, restored or saved "
+               "without the state file beside it?)")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        model.load_weights(path)
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    # Deleting the state file (the way out the error gives) loads the weights with
+    # an empty window.
+    os.remove(path + saving.SIDECAR)
+    model.load_weights(path)
+    assert gradaccum.attach.accumulation_of(model).open_micro_batches() == 0
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
+def test_a_damaged_state_file_is_an_error_naming_it(tmp_path, damage):
+    path, _ = _saved_mid_window(tmp_path)
+    sidecar = path + saving.SIDECAR
+    if damage == "truncated":
+        with open(sidecar, "r+b") as f:
+            f.truncate(os.path.getsize(sidecar) // 2)
+    elif damage == "garbage":
+        with open(sidecar, "wb") as f:
+            f.write(b"not a state file" * 10)
+    else:
+        open(sidecar, "wb").close()
+    model = _ready(_trainer(seed=5))
+    with pytest.raises(ValueError, match=re.escape(
+            f"The accumulation state file {sidecar} cannot be read (")) as caught:
+        model.load_weights(path)
+    assert "truncated or damaged" in str(caught.value)
+    assert "delete it to load the weights with an empty window" in str(caught.value)
+
+
+def test_a_state_for_another_window_rule_or_model_is_an_error(tmp_path):
+    path, _ = _saved_mid_window(tmp_path)
+    with pytest.raises(ValueError, match=re.escape(
+            "was saved for another window rule (steps=4; this model's: steps=8)")):
+        _ready(_trainer(steps=8)).load_weights(path)
+    with pytest.raises(ValueError, match=re.escape(
+            "was saved for another window rule (weighting='exact'; this model's: "
+            "weighting='uniform')")):
+        _ready(_trainer(weighting="uniform")).load_weights(path)
+    wider = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="tanh"),
+                              keras.layers.Dense(3)])
+    gradaccum.accumulate(wider, steps=4, partial="carry")
+    wider.compile(keras.optimizers.Adam(0.05), SCE)
+    before = _weights(_ready(wider))
+    with pytest.raises(ValueError, match=re.escape(
+            "was saved for another model (trainable variables of shapes (6, 8), (8,), "
+            "(8, 3), (3,); this model's: (6, 16), (16,), (16, 3), (3,))")):
+        wider.load_weights(path)
+    for a, b in zip(before, wider.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_state_file_of_another_format_is_an_error(tmp_path):
+    path, _ = _saved_mid_window(tmp_path)
+    with np.load(path + saving.SIDECAR) as store:
+        values = {k: store[k] for k in store.files if not k.startswith("gradaccum@")}
+    np.savez(path + saving.SIDECAR, **values)  # as gradaccum wrote it before (format 1)
+    with pytest.raises(ValueError, match=re.escape(
+            f"has format none; this gradaccum reads format {state_file.FORMAT}")):
+        _ready(_trainer()).load_weights(path)
+
+
+def test_killed_between_the_two_renames_the_previous_pair_loads(tmp_path, monkeypatch):
+    # The state file is renamed first (holding the new state and the previous
+    # one), then the weights: killed between the two, the disk holds the previous
+    # weights, and loading them gets the previous window.
+    x, y = data(40)
+    path, model = _saved_mid_window(tmp_path, count=24)
+    first = _weights(model)
+    model.fit(x[24:32], y[24:32], batch_size=4, epochs=1, shuffle=False, verbose=0)
+    real_replace = os.replace
+
+    def replace(source, target):
+        if os.fspath(target) == path:
+            raise KeyboardInterrupt("killed")
+        return real_replace(source, target)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        model.save_weights(path)
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert sorted(os.listdir(tmp_path)) == ["mid.weights.h5", "mid.weights.h5.gradaccum.npz"]
+    resumed = _ready(_trainer(seed=5))
+    resumed.load_weights(path)
+    for a, b in zip(first, resumed.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    # The previous window: 24 samples = one update and 2 micro-batches open.
+    assert gradaccum.attach.accumulation_of(resumed).open_micro_batches() == 2
+    resumed.fit(x[24:], y[24:], batch_size=4, epochs=1, shuffle=False, verbose=0)
+    full = _trainer()
+    full.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(resumed, full)
+    assert_optimizer_close(resumed.optimizer, full.optimizer)
+
+
+def test_backup_and_restore_falls_back_with_the_backups_window(tmp_path):
+    # 10 micro-batches of 4 per epoch, windows of 3 carried across epochs, a save
+    # after every micro-batch with a backup of the one before. Interrupted inside a
+    # window, the main weights file then damaged: BackupAndRestore falls back to
+    # its backup, and the window saved with it goes on; the run ends as the
+    # uninterrupted one.
+    x, y = data(40)
+
+    def make(seed=0):
+        return _trainer(steps=3, seed=seed, partial="carry")
+
+    full = make()
+    full.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            if (self.epoch, batch) == (1, 4):
+                raise RuntimeError("interrupted")
+
+    backup = str(tmp_path / "backup")
+
+    def backup_and_restore():
+        return keras.callbacks.BackupAndRestore(backup, save_freq=1, double_checkpoint=True)
+
+    model = make()
+    with pytest.raises(RuntimeError, match="interrupted"):
+        model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0,
+                  callbacks=[backup_and_restore(), Interrupt()])
+    main = os.path.join(backup, "latest.weights.h5")
+    assert os.path.exists(main + ".bkp")
+    with open(main, "wb") as f:
+        f.write(b"damaged")
+    resumed = make(seed=9)
+    history = resumed.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0,
+                          callbacks=[backup_and_restore()])
+    assert_weights_close(resumed, full)
+    assert_optimizer_close(resumed.optimizer, full.optimizer)
+    assert history.history["updates"][-1] == float(int(full.optimizer.iterations))
