@@ -166,6 +166,37 @@ def fit_with(strategy, door, x, y, saved, count):
     )
 
 
+PRIVACY = dict(l2_norm_clip=1.0, noise_multiplier=0.5)
+
+
+def private_reference():
+    """`accumulate` with `Privacy(seed=3)` in one process on the global batches."""
+    import gradaccum
+
+    x, y = dataset_arrays()
+    trainer = gradaccum.accumulate(build_model(), steps=STEPS,
+                                   privacy=gradaccum.Privacy(**PRIVACY, seed=3))
+    trainer.compile(optimizer(), loss())
+    trainer.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    return trainer.get_weights()
+
+
+def fit_private(strategy, x, y, saved):
+    """fit() with `Privacy` on both workers: a seed given, then none (worker 0's
+    draw is the one both use)."""
+    import gradaccum
+
+    for name, seed in (("private_seeded", 3), ("private_drawn", None)):
+        with strategy.scope():
+            model = build_model()
+            trainer = gradaccum.accumulate(
+                model, steps=STEPS, privacy=gradaccum.Privacy(**PRIVACY, seed=seed))
+            trainer.compile(optimizer(), loss())
+        trainer.fit(x, y, batch_size=GLOBAL_BATCH, epochs=EPOCHS, shuffle=False,
+                    verbose=0)
+        saved.update({f"{name}_{i}": w for i, w in enumerate(model.get_weights())})
+
+
 def main(out_path):
     import tensorflow as tf
 
@@ -216,6 +247,7 @@ def main(out_path):
     for door in ("accumulate", "wrap"):
         fit_with(strategy, door, x, y, saved, count)
     fit_loss_scaled(strategy, x, y, saved, count)
+    fit_private(strategy, x, y, saved)
     np.savez(out_path, **saved)
 
 

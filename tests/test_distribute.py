@@ -422,6 +422,19 @@ def test_multi_worker_mirrored_two_processes_equal_a_single_process(tmp_path):
         assert list(got["scaled_skipped"]) == [1.0, 2.0]
         assert float(got["scaled_scale"]) == 8192.0
         assert int(got["scaled_reductions"]) == 4
+    # Privacy (issue 43, item 4): both workers add the same noise, once per global
+    # window; seeded, the result is one process's with the same seed.
+    private = multiworker_job.private_reference()
+    first, second = (np.load(tmp_path / f"worker{index}.npz") for index in range(2))
+    for i, want in enumerate(private):
+        np.testing.assert_array_equal(first[f"private_seeded_{i}"],
+                                      second[f"private_seeded_{i}"])
+        np.testing.assert_array_equal(first[f"private_drawn_{i}"],
+                                      second[f"private_drawn_{i}"])
+        np.testing.assert_allclose(first[f"private_seeded_{i}"], want, rtol=1e-5,
+                                   atol=1e-6)
+    assert max(float(np.abs(first[f"private_drawn_{i}"] - w).max())
+               for i, w in enumerate(private)) > 1e-4
 
 
 def _logs(folder):

@@ -146,8 +146,9 @@ FEATURES = {
 }
 
 SLOW = [
-    # A process per kill point (38 on each backend).
+    # A process per kill point (38 on each backend); two JAX processes.
     "contract/test_kill_during_save.py",
+    "jax_backend/test_jax_processes.py",
     # The fast tier keeps data of unknown length through `wrap` and the shared layer
     # of one model.
     "test_odd_data.py::test_inputs_of_unknown_batch_size_and_length",
@@ -387,6 +388,7 @@ MULTI_DEVICE = [
 
 SUBPROCESS = [
     "contract/test_kill_during_save.py",
+    "jax_backend/test_jax_processes.py",
     "jax_backend/test_jax_distribution.py",
     "test_faults.py",
     "test_install.py",

@@ -1,0 +1,89 @@
+"""JAX across two processes (issue 43, item 4): `jax.distributed` on localhost
+through `keras.distribution.initialize`, Keras's `DataParallel` over one CPU device
+in each process, each feeding its half of every global batch
+(`processes_job.py`). `accumulate` is exact against one process on the global
+windows; `Privacy` draws the same noise in both processes (a seed given, or the one
+process 0 drew, broadcast), equal to one process's with the same seed."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+from largebatch import SCE, data, mlp
+
+import gradaccum
+
+JOB = pathlib.Path(__file__).with_name("processes_job.py")
+CONTRACT = JOB.parent.parent / "contract"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results():
+    port = str(_free_port())
+    env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3",
+               PYTHONPATH=os.pathsep.join([str(CONTRACT), *sys.path]))
+    env.pop("XLA_FLAGS", None)
+    jobs = [subprocess.Popen([sys.executable, str(JOB), str(p), port], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for p in range(2)]
+    outputs = []
+    for job in jobs:
+        out, err = job.communicate(timeout=600)
+        assert job.returncode == 0, err[-3000:]
+        outputs.append(json.loads(out.strip().splitlines()[-1]))
+    return outputs
+
+
+def _one_process(options):
+    """One process trained on the global batches (8 samples) of the same data."""
+    x, y = data(48)
+    model = gradaccum.accumulate(mlp(0), **options)
+    model.compile(keras.optimizers.Adam(0.05), SCE, steps_per_execution=1)
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    return model.get_weights()
+
+
+def _close(a, b, rtol=1e-5, atol=1e-6):
+    for p, q in zip(a, b):
+        np.testing.assert_allclose(np.asarray(p), np.asarray(q), rtol=rtol, atol=atol)
+
+
+def test_two_processes_train_as_one_on_the_global_windows(results):
+    assert [r["devices"] for r in results] == [2, 2]
+    assert [r["processes"] for r in results] == [2, 2]
+    first, second = (r["steps"] for r in results)
+    # 6 global batches per epoch in windows of 3: 2 updates an epoch.
+    assert first["updates"] == second["updates"] == [2.0, 4.0]
+    _close(first["weights"], second["weights"], rtol=0, atol=0)
+    reference = _one_process(dict(steps=3))
+    moved = max(float(np.abs(np.asarray(a) - b).max())
+                for a, b in zip(first["weights"], mlp(0).get_weights()))
+    assert moved > 1e-2
+    _close(first["weights"], reference)
+
+
+def test_privacy_draws_the_same_noise_in_both_processes(results):
+    privacy = dict(l2_norm_clip=1.0, noise_multiplier=0.5)
+    seeded = [r["private_seeded"]["weights"] for r in results]
+    _close(seeded[0], seeded[1], rtol=0, atol=0)
+    reference = _one_process(dict(steps=3, privacy=gradaccum.Privacy(**privacy, seed=3)))
+    _close(seeded[0], reference)
+    # No seed: process 0 draws one and both use it.
+    drawn = [r["private"]["weights"] for r in results]
+    _close(drawn[0], drawn[1], rtol=0, atol=0)
+    assert max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+               for a, b in zip(drawn[0], seeded[0])) > 1e-4
