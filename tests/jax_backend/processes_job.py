@@ -1,9 +1,12 @@
 """One of two JAX processes on localhost (`jax.distributed` through
 `keras.distribution.initialize`, gloo collectives on CPU) training under Keras's
 `DataParallel` across both, for tests/jax_backend/test_jax_processes.py. Run as
-`python processes_job.py PROCESS_ID PORT`: each process feeds its half of every
-global batch of 8 (its own 4 samples); prints the weights it ends with, as JSON,
-for `accumulate(steps=3)` and for `Privacy` (with and without a seed)."""
+`python processes_job.py PROCESS_ID PORT MODE FOLDER`: each process feeds its half
+of every global batch of 8 (its own 4 samples) and prints, as JSON, the weights it
+ends with. MODE `train`: `accumulate(steps=3)` and `Privacy` (with and without a
+seed). MODE `stop`: 5 global batches of the first epoch with windows of 3 carried
+(one open), saved to FOLDER, and the process exits in the middle of the epoch;
+MODE `resume`: new processes load that checkpoint and train the rest."""
 
 from __future__ import annotations
 
@@ -46,13 +49,39 @@ def trained(options, process):
             "updates": history.history["updates"]}
 
 
-def main(process: int, port: str) -> None:
+def checkpointed(process, folder, resume):
+    """`stop`: the first 5 global batches, saved mid-window; `resume`: the rest,
+    from that save."""
+    x, y = data(SAMPLES)
+    rows = local_rows(process)
+    model = gradaccum.accumulate(mlp(0 if not resume else 9), steps=3, partial="carry")
+    model.compile(keras.optimizers.Adam(0.05), SCE, steps_per_execution=1)
+    path = os.path.join(folder, f"process{process}.weights.h5")
+    cut = 5 * GLOBAL_BATCH // 2
+    if resume:
+        model.build((None, 6))
+        model.optimizer.build(model.trainable_variables)
+        model.load_weights(path)
+        model.fit(x[rows][cut:], y[rows][cut:], batch_size=GLOBAL_BATCH // 2,
+                  shuffle=False, verbose=0)
+    else:
+        model.fit(x[rows][:cut], y[rows][:cut], batch_size=GLOBAL_BATCH // 2,
+                  shuffle=False, verbose=0)
+        model.save_weights(path)
+    return {"weights": [np.asarray(w).tolist() for w in model.get_weights()],
+            "iterations": int(model.optimizer.iterations)}
+
+
+def main(process: int, port: str, mode: str = "train", folder: str = "") -> None:
     keras.distribution.initialize(job_addresses=f"localhost:{port}", num_processes=2,
                                   process_id=process)
     devices = keras.distribution.list_devices()
     # Each process feeds its own part of the global batch.
     keras.distribution.set_distribution(
         keras.distribution.DataParallel(devices=devices, auto_shard_dataset=False))
+    if mode != "train":
+        print(json.dumps(checkpointed(process, folder, resume=mode == "resume")))
+        return
     privacy = dict(l2_norm_clip=1.0, noise_multiplier=0.5)
     results = {
         "devices": len(devices),
@@ -66,4 +95,4 @@ def main(process: int, port: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2])
+    main(int(sys.argv[1]), *sys.argv[2:])

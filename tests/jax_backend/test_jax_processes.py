@@ -3,7 +3,9 @@ through `keras.distribution.initialize`, Keras's `DataParallel` over one CPU dev
 in each process, each feeding its half of every global batch
 (`processes_job.py`). `accumulate` is exact against one process on the global
 windows; `Privacy` draws the same noise in both processes (a seed given, or the one
-process 0 drew, broadcast), equal to one process's with the same seed."""
+process 0 drew, broadcast), equal to one process's with the same seed. Two
+processes stopped in the middle of a window, after a save, and two new ones resumed
+from it end as one process trained without a stop."""
 
 from __future__ import annotations
 
@@ -31,14 +33,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def results():
+def _run(*args) -> list:
+    """Both processes of one job; their JSON outputs."""
     port = str(_free_port())
     env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3",
                PYTHONPATH=os.pathsep.join([str(CONTRACT), *sys.path]))
     env.pop("XLA_FLAGS", None)
-    jobs = [subprocess.Popen([sys.executable, str(JOB), str(p), port], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    jobs = [subprocess.Popen([sys.executable, str(JOB), str(p), port, *map(str, args)],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
             for p in range(2)]
     outputs = []
     for job in jobs:
@@ -46,6 +49,11 @@ def results():
         assert job.returncode == 0, err[-3000:]
         outputs.append(json.loads(out.strip().splitlines()[-1]))
     return outputs
+
+
+@pytest.fixture(scope="module")
+def results():
+    return _run("train")
 
 
 def _one_process(options):
@@ -87,3 +95,18 @@ def test_privacy_draws_the_same_noise_in_both_processes(results):
     _close(drawn[0], drawn[1], rtol=0, atol=0)
     assert max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
                for a, b in zip(drawn[0], seeded[0])) > 1e-4
+
+
+def test_two_processes_stopped_mid_window_resume_from_their_checkpoint(tmp_path):
+    # 5 global batches with windows of 3 carried: one update, 2 micro-batches open
+    # when the processes stop; the new processes finish the epoch's 6th batch.
+    stopped = _run("stop", tmp_path)
+    assert [r["iterations"] for r in stopped] == [1, 1]
+    resumed = _run("resume", tmp_path)
+    assert [r["iterations"] for r in resumed] == [2, 2]
+    _close(resumed[0]["weights"], resumed[1]["weights"], rtol=0, atol=0)
+    x, y = data(48)
+    reference = gradaccum.accumulate(mlp(0), steps=3, partial="carry")
+    reference.compile(keras.optimizers.Adam(0.05), SCE, steps_per_execution=1)
+    reference.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    _close(resumed[0]["weights"], reference.get_weights())
