@@ -5,14 +5,16 @@
 of every global batch of 8 (its own 4 samples) and prints, as JSON, the weights it
 ends with. MODE `train`: `accumulate(steps=3)` and `Privacy` (with and without a
 seed). MODE `stop`: 5 global batches of the first epoch with windows of 3 carried
-(one open), saved to FOLDER, and the process exits in the middle of the epoch;
+(two open), saved to FOLDER; then process 1 is SIGKILLed, and process 0;
 MODE `resume`: new processes load that checkpoint and train the rest."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import time
 import warnings
 
 warnings.simplefilter("ignore")
@@ -68,6 +70,14 @@ def checkpointed(process, folder, resume):
         model.fit(x[rows][:cut], y[rows][:cut], batch_size=GLOBAL_BATCH // 2,
                   shuffle=False, verbose=0)
         model.save_weights(path)
+        # Killed in the middle of the window, the checkpoint on disk: process 1
+        # first, then process 0, as a scheduler tears down a job one of whose
+        # processes died (JAX's coordination service would abort it after a
+        # heartbeat timeout).
+        print(json.dumps({"iterations": int(model.optimizer.iterations)}), flush=True)
+        if process == 0:
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGKILL)
     return {"weights": [np.asarray(w).tolist() for w in model.get_weights()],
             "iterations": int(model.optimizer.iterations)}
 
