@@ -145,11 +145,26 @@ class TrackedStep(keras.Model):
     and `apply_gradients` on TensorFlow, keras.io's stateless step on JAX) that
     updates the model's trackers and also logs its raw batch loss as `raw`."""
 
-    def __init__(self):
+    def __init__(self, style="trackers"):
         super().__init__()
         self.hidden = keras.layers.Dense(8, activation="tanh")
         self.out = keras.layers.Dense(3)
         self.accuracy = keras.metrics.SparseCategoricalAccuracy(name="accuracy")
+        # "trackers": Keras's metrics by their names; "raw": only the batch's
+        # loss, no tracker updated; "vae": keras.io's VAE, a tracker of its own logged as "loss",
+        # the accuracy in a nested dict.
+        self.style = style
+        if style == "vae":
+            self.total = keras.metrics.Mean(name="total_loss")
+
+    def _logs(self, loss, logs):
+        if self.style == "raw":
+            return {"loss": loss}
+        if self.style == "vae":
+            return {"loss": logs["total_loss"], "groups": {"accuracy": logs["accuracy"]},
+                    "raw": loss}
+        logs["raw"] = loss
+        return logs
 
     def call(self, x, training=False):
         return self.out(self.hidden(x))
@@ -165,15 +180,18 @@ class TrackedStep(keras.Model):
             loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
         grads = tape.gradient(loss, self.trainable_variables)
         self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        if self.style == "raw":
+            return {"loss": loss}
         logs = {}
         for metric in self.metrics:
-            if metric.name == "loss":
+            if metric.name == "loss" and self.style == "vae":
+                continue  # keras.io's VAE leaves Keras's loss tracker alone
+            if metric.name in ("loss", "total_loss"):
                 metric.update_state(loss)
             else:
                 metric.update_state(y, y_pred)
             logs[metric.name] = metric.result()
-        logs["raw"] = loss
-        return logs
+        return self._logs(loss, logs)
 
     def _jax_step(self, state, data):
         import jax
@@ -190,22 +208,27 @@ class TrackedStep(keras.Model):
             objective, has_aux=True)(trainable, non_trainable)
         trainable, optimizer_variables = self.optimizer.stateless_apply(
             optimizer_variables, grads, trainable)
+        if self.style == "raw":
+            return {"loss": loss}, (trainable, non_trainable, optimizer_variables,
+                                    metrics_variables)
         new_metrics_variables, logs = [], {}
         for metric in self.metrics:
             start = len(new_metrics_variables)
             these = metrics_variables[start:start + len(metric.variables)]
-            if metric.name == "loss":
+            if metric.name == "loss" and self.style == "vae":
+                pass  # keras.io's VAE leaves Keras's loss tracker alone
+            elif metric.name in ("loss", "total_loss"):
                 these = metric.stateless_update_state(these, loss)
             else:
                 these = metric.stateless_update_state(these, y, y_pred)
             logs[metric.name] = metric.stateless_result(these)
             new_metrics_variables += these
-        logs["raw"] = loss
-        return logs, (trainable, non_trainable, optimizer_variables, new_metrics_variables)
+        return (self._logs(loss, logs),
+                (trainable, non_trainable, optimizer_variables, new_metrics_variables))
 
 
-def _tracked_step(nonfinite="skip"):
-    model = TrackedStep()
+def _tracked_step(nonfinite="skip", style="trackers"):
+    model = TrackedStep(style)
     model(np.zeros((1, 6), "float32"))
     model.set_weights(mlp(0).get_weights())
     gradaccum.accumulate(model, steps=2, nonfinite=nonfinite)
@@ -285,3 +308,39 @@ def test_a_callback_list_given_to_fit_behaves_as_a_list():
         [e["loss"] for e in listed_logs.epochs], rel=1e-6)
     for a, b in zip(model.get_weights(), listed.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_an_own_steps_raw_loss_is_logged_as_it_is():
+    # A step that logs only its batch's loss: no tracker holds it (Keras's loss
+    # tracker, named "loss" too, never moves), so the skipped micro-batch's nan is
+    # logged as it is, never a made-up value.
+    x, y = _data_with_a_nan()
+    model = _tracked_step(style="raw")
+    logs = _Logs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[logs])
+    assert np.isnan(logs.batches[1]["loss"])
+    assert all(np.isfinite(logs.batches[i]["loss"]) for i in (0, 2, 3))
+    assert all(logs.batches[i]["loss"] != 0.0 for i in range(4))
+
+
+def test_an_own_steps_tracker_under_another_name_and_nested_logs_are_kept():
+    # keras.io's VAE logs its `total_loss` tracker as "loss"; the accuracy sits in
+    # a nested dict. Both read their tracker without the skipped micro-batch.
+    x, y = _data_with_a_nan()
+    model = _tracked_step(style="vae")
+    logs = _Logs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                            callbacks=[keras.callbacks.TerminateOnNaN(), logs])
+    assert history.history["updates"] == [2.0, 4.0]
+    for epoch in range(2):
+        first, second = logs.batches[4 * epoch], logs.batches[4 * epoch + 1]
+        assert second["loss"] == pytest.approx(first["loss"], rel=1e-6)
+        assert np.isnan(second["raw"])
+        # (Keras hands callbacks the nested entries flattened.)
+        accuracy = (first["accuracy"], second["accuracy"])
+        assert float(accuracy[1]) == pytest.approx(float(accuracy[0]), rel=1e-6)
+    assert all(np.isfinite(e["loss"]) for e in logs.batches + logs.epochs)

@@ -581,24 +581,103 @@ def logged_weight(policy: Policy, x, weight):
     return samples(x)
 
 
-def kept_logs(accepted, logs, trackers):
-    """A step's `logs` (its returned dict) where its micro-batch may have been
-    skipped: where not `accepted`, each entry named as one of `trackers` (the
-    model's metric results, read after the skip was undone) takes the tracker's
-    value; the others (a model's own step may log a raw loss) stay as returned."""
+def kept_logs(accepted, logs, trackers, moved, by_value=True):
+    """A step's `logs` (its returned dict, nested dicts included) where its
+    micro-batch may have been skipped. `moved`: the model's metric results after
+    the micro-batch, `trackers`: the same after the skip was undone (equal where
+    it was accepted). Where not `accepted`, an entry a tracker produced in this
+    step takes the tracker's value without the micro-batch: an entry named as a
+    tracker that moved, or else one equal to the moved value of a tracker no
+    entry has claimed yet, in the order of the logs (keras.io's VAE logs its
+    `total_loss` tracker as "loss"). Other entries (a raw loss logged beside its
+    tracker, a tracker that did not move: Keras's loss tracker in a step that
+    keeps its own) stay as returned. Without `by_value` (Keras's step, whose logs
+    are the trackers' results) entries match by name only."""
     if not isinstance(logs, dict):
         return logs
-    kept = dict(logs)
+    entries = _flat_entries(logs)
+    named = {name for name, _ in entries if name in trackers}
+    claimed = {}
+    kept = {}
+    for path, (name, value) in zip(_paths(logs), entries):
+        kept[path] = _kept_entry(accepted, name, value, trackers, moved,
+                                 by_value, named, claimed)
+    return _rebuilt(logs, kept)
+
+
+def _flat_entries(logs, prefix=()):
+    entries = []
     for name, value in logs.items():
-        tracker = trackers.get(name)
-        if tracker is None:
-            continue
+        if isinstance(value, dict):
+            entries += _flat_entries(value, prefix + (name,))
+        else:
+            entries.append((name, value))
+    return entries
+
+
+def _paths(logs, prefix=()):
+    paths = []
+    for name, value in logs.items():
+        if isinstance(value, dict):
+            paths += _paths(value, prefix + (name,))
+        else:
+            paths.append(prefix + (name,))
+    return paths
+
+
+def _rebuilt(logs, kept, prefix=()):
+    return {name: (_rebuilt(value, kept, prefix + (name,)) if isinstance(value, dict)
+                   else kept[prefix + (name,)])
+            for name, value in logs.items()}
+
+
+def _kept_entry(accepted, name, value, trackers, moved, by_value, named, claimed):
+    """One entry of `kept_logs`; `named`: the trackers some entry is named after,
+    `claimed`: per tracker, whether an earlier entry took it by value (updated)."""
+    try:
         value = ops.convert_to_tensor(value)
-        tracker = ops.convert_to_tensor(tracker)
-        if tuple(value.shape) != tuple(tracker.shape):
-            continue
-        kept[name] = ops.where(accepted, value, ops.cast(tracker, value.dtype))
-    return kept
+    except (TypeError, ValueError):
+        return value
+    if not _is_float(value):
+        return value
+
+    def pair(other):
+        tracker, after = trackers[other], moved.get(other)
+        if after is None:
+            return None
+        tracker, after = ops.convert_to_tensor(tracker), ops.convert_to_tensor(after)
+        if tuple(tracker.shape) != tuple(value.shape) or not _is_float(tracker):
+            return None
+        return ops.cast(tracker, value.dtype), ops.cast(after, value.dtype)
+
+    kept = value
+    found = ops.convert_to_tensor(False)
+    if name in trackers and pair(name) is not None:
+        tracker, after = pair(name)
+        found = ops.logical_not(ops.all(_same(after, tracker)))
+        kept = ops.where(found, tracker, kept)
+    if by_value:
+        for other in trackers:
+            if other == name or other in named or pair(other) is None:
+                continue
+            tracker, after = pair(other)
+            taken = claimed.get(other, ops.convert_to_tensor(False))
+            match = (ops.logical_not(found) & ops.logical_not(taken)
+                     & ops.logical_not(ops.all(_same(after, tracker)))
+                     & ops.all(_same(value, after)))
+            kept = ops.where(match, tracker, kept)
+            claimed[other] = taken | match
+            found = found | match
+    return ops.where(accepted, value, kept)
+
+
+def _same(a, b):
+    """Elementwise equality that counts nan as equal to nan."""
+    return (a == b) | (ops.isnan(a) & ops.isnan(b))
+
+
+def _is_float(tensor) -> bool:
+    return "float" in str(tensor.dtype)
 
 
 def skips_possible(policy: Policy, loss_scaled: bool) -> bool:

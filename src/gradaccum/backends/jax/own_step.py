@@ -130,10 +130,12 @@ def run(step, carry, data) -> dict:
         # The step's own trackers leave out a micro-batch any of its optimizers
         # skipped, as Keras's step's do.
         used = jnp.all(jnp.stack(handover.accepted))
+        moved, _ = step.stateless_metrics(carry.metrics, None, None,
+                                          model.get_metrics_result)
         carry.metrics = kept_unless(used, carry.metrics, entry_metrics)
         trackers, _ = step.stateless_metrics(carry.metrics, None, None,
                                              model.get_metrics_result)
-        logs = tr.kept_logs(used, logs, trackers)
+        logs = tr.kept_logs(used, logs, trackers, moved)
     return logs
 
 

@@ -23,7 +23,7 @@ from gradaccum.backends.tensorflow import keras_compat as kc
 from gradaccum.core import transitions as tr
 
 
-def tracked(accumulation, update, accepted):
+def tracked(accumulation, update, accepted, own=False):
     """Runs `update()` (what moves the trackers and returns the step's logs: the
     loss tracker's and the compiled metrics' update, or a model's own train_step)
     so that a micro-batch that `accepted()` (called after it) says was skipped
@@ -31,7 +31,8 @@ def tracked(accumulation, update, accepted):
     (`core.transitions.tracks_skips`): History, the progress bar and callbacks
     such as TerminateOnNaN see the micro-batches that were used. Returns the logs,
     each entry that is a tracker's result read after the skip was undone
-    (`core.transitions.kept_logs`)."""
+    (`core.transitions.kept_logs`; by value too where `own`: a model's own
+    step)."""
     host = accumulation.host
     if not tr.tracks_skips(accumulation.policy, kc.is_loss_scale_optimizer(host.optimizer)):
         return update()
@@ -41,9 +42,11 @@ def tracked(accumulation, update, accepted):
     used = accepted()
     if used is None:
         return logs
-    for variable, old in zip(variables, before):
-        variable.assign(tf.where(used, variable.value, old))
-    return tr.kept_logs(used, logs, host.get_metrics_result())
+    moved = host.get_metrics_result()
+    with tf.control_dependencies(tf.nest.flatten(moved)):
+        for variable, old in zip(variables, before):
+            variable.assign(tf.where(used, variable.value, old))
+    return tr.kept_logs(used, logs, host.get_metrics_result(), moved, by_value=own)
 
 
 def updating_optimizer(accumulation):

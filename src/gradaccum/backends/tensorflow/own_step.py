@@ -92,7 +92,8 @@ class OwnStep:
 
         # The step's own trackers leave out a micro-batch any of its optimizers
         # skipped, as Keras's step's do.
-        logs = _logs.tracked(accumulation, step, lambda: _all_accepted(local.outcomes))
+        logs = _logs.tracked(accumulation, step, lambda: _all_accepted(local.outcomes),
+                             own=True)
         local.micro_batch = None
         if local.outcomes:
             # The moving statistics follow the first optimizer's window (every
