@@ -43,6 +43,10 @@ def accumulation_of(model):
     return getattr(model, "__dict__", {}).get(ATTRIBUTE)
 
 
+# The fewest loss terms the fit record has room for, once the model has a compiled loss.
+TERM_SLOTS = 8
+
+
 class Findings(NamedTuple):
     """What an accumulation saw in the steps it ran that makes it differ from
     training on the window as one batch (`gradaccum.audit` names each).
@@ -271,8 +275,8 @@ class Accumulation(abc.ABC):
     def check_trainable(self) -> int:
         """Before the state is made: the model trained is built, has trainable
         variables, and (with privacy) an optimizer without loss scaling. Returns how
-        many loss terms the compiled loss holds beyond the first (their normalizer
-        ratios are tracked)."""
+        many loss terms beyond the first the fit record tracks the normalizer
+        ratios of (at least `TERM_SLOTS - 1` once there is a compiled loss)."""
         host, layers = self.host, self.layers
         if not layers.built:
             raise ValueError(
@@ -294,7 +298,12 @@ class Accumulation(abc.ABC):
                     "gradient is clipped before the sum. Received: a LossScaleOptimizer "
                     "(the mixed_float16 policy); use mixed_bfloat16 or float32."
                 )
-        return max(0, kc.count_compiled_losses(kc.compiled_loss(host), self.layers) - 1)
+        terms = kc.count_compiled_losses(kc.compiled_loss(host), self.layers)
+        if terms:
+            # Room for the terms Keras builds later than the state (one loss given
+            # to each output of a subclassed model, whose outputs are unknown yet).
+            terms = max(terms, TERM_SLOTS)
+        return max(0, terms - 1)
 
     @abc.abstractmethod
     def drop_state(self) -> None:

@@ -241,7 +241,7 @@ def _install(model, accumulation) -> None:
             lambda force: cls.make_train_function(model, force=force), force
         )
 
-    def save_weights(filepath, overwrite=True, **kwargs):
+    def save_weights(filepath, overwrite=True, max_shard_size=None):
         # The weights and the window state as one pair, whatever a kill meets
         # (gradaccum.state_file).
         filepath = os.fspath(filepath)
@@ -250,20 +250,23 @@ def _install(model, accumulation) -> None:
                 return None
         store = {}
         accumulation.save_to(store)
-        state_file.save(lambda path: cls.save_weights(model, path, overwrite=True, **kwargs),
-                        filepath, store, _signature(model, accumulation))
+        state_file.save(
+            lambda path: cls.save_weights(model, path, overwrite=True,
+                                          max_shard_size=max_shard_size),
+            filepath, store, _signature(model, accumulation))
         return None
 
-    def load_weights(filepath, *args, **kwargs):
+    def load_weights(filepath, skip_mismatch=False, **kwargs):
         # The state first: one that does not belong here changes nothing (unless
         # the weights file itself is unreadable: then Keras's OSError, which
         # BackupAndRestore(double_checkpoint=True) answers with its backup).
         try:
-            store = state_file.load(filepath, _signature(model, accumulation))
+            store = state_file.load(filepath, _signature(model, accumulation),
+                                    skip_mismatch=skip_mismatch)
         except ValueError:
             state_file.check_readable(filepath)
             raise
-        result = cls.load_weights(model, filepath, *args, **kwargs)
+        result = cls.load_weights(model, filepath, skip_mismatch=skip_mismatch, **kwargs)
         if store is not None:
             accumulation.load_from(store)
         return result

@@ -207,7 +207,7 @@ class AccumulatingModel(keras.Model):
 
     # Saving: the accumulation state travels with the weights ---------------------
 
-    def save_weights(self, filepath, overwrite=True, **kwargs):
+    def save_weights(self, filepath, overwrite=True, max_shard_size=None):
         """Keras's `save_weights`, the window state inside the weights file,
         written to a temporary file renamed over `filepath`: a kill during the save
         leaves the previous file whole (`gradaccum.state_file`)."""
@@ -217,7 +217,7 @@ class AccumulatingModel(keras.Model):
                 return
         state_file.save_atomically(
             lambda path: super(AccumulatingModel, self).save_weights(
-                path, overwrite=True, **kwargs),
+                path, overwrite=True, max_shard_size=max_shard_size),
             filepath)
 
     def save_own_variables(self, store):

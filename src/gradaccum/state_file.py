@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import tempfile
+import warnings
 import zipfile
 
 import numpy as np
@@ -58,22 +59,22 @@ def digest(filepath) -> str:
     hasher = hashlib.sha256()
     for path in paths:
         with open(path, "rb") as f:
-            hasher.update(hashlib.file_digest(f, "sha256").digest())
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                hasher.update(chunk)
     return hasher.hexdigest()
 
 
 def _shard_names(listed) -> list:
-    """The shard files a sharded save's `.weights.json` names."""
+    """The shard files a sharded save's `.weights.json` names (its `weight_map`
+    lists them, as strings or lists of strings)."""
+    if isinstance(listed, str):
+        return [listed] if listed.endswith(_SUFFIX) else []
+    values = listed.values() if isinstance(listed, dict) else listed
+    if not isinstance(values, (list, tuple, type({}.values()))):
+        return []
     names = []
-    if isinstance(listed, dict):
-        for value in listed.values():
-            if isinstance(value, str) and value.endswith(_SUFFIX):
-                names.append(value)
-            else:
-                names += _shard_names(value)
-    elif isinstance(listed, list):
-        for value in listed:
-            names += _shard_names(value)
+    for value in values:
+        names += _shard_names(value)
     return names
 
 
@@ -114,6 +115,8 @@ def save_atomically(save_weights, filepath, before_rename=None) -> None:
     atomic = filepath.endswith(_SUFFIX) and "://" not in filepath
     written = filepath
     if atomic:
+        # Through a symbolic link, as Keras writes.
+        filepath = os.path.realpath(filepath)
         _remove_leftovers(filepath)
         handle, written = tempfile.mkstemp(
             prefix=_temporary_prefix(filepath), suffix=_SUFFIX,
@@ -124,6 +127,7 @@ def save_atomically(save_weights, filepath, before_rename=None) -> None:
         if before_rename is not None:
             before_rename(written)
         if atomic:
+            _give_mode(written, filepath)
             os.replace(written, filepath)
             _sync_folder(filepath)
     finally:
@@ -151,9 +155,22 @@ def _remove_leftovers(filepath: str) -> None:
                 pass
 
 
+def _give_mode(temporary: str, target: str) -> None:
+    """Gives a temporary file (made readable by its owner only) the mode the file
+    it replaces has, or the one a new file gets under the process's umask."""
+    try:
+        mode = os.stat(target).st_mode & 0o777
+    except OSError:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
+    os.chmod(temporary, mode)
+
+
 def _write(path: str, store: dict) -> None:
     """Writes `store` (np.savez) to `path` through a temporary file renamed over
     it, flushed to disk first."""
+    path = os.path.realpath(path)
     folder = os.path.dirname(path) or "."
     handle, temporary = tempfile.mkstemp(
         prefix=f".{os.path.basename(path)}.gradaccum-tmp-", dir=folder)
@@ -162,6 +179,7 @@ def _write(path: str, store: dict) -> None:
             np.savez(f, **store)
             f.flush()
             os.fsync(f.fileno())
+        _give_mode(temporary, path)
         os.replace(temporary, path)
         _sync_folder(path)
     finally:
@@ -183,12 +201,15 @@ def _sync_folder(path: str) -> None:
         os.close(fd)
 
 
-def load(filepath, signature: dict) -> dict | None:
+def load(filepath, signature: dict, skip_mismatch: bool = False) -> dict | None:
     """The state saved with the weights in `filepath` (`saving.PREFIX` names), or
-    None where no state file is beside them (weights saved without
-    accumulation). Raises a ValueError that names the file and the way out where
-    the state file cannot be read or does not belong to these weights, this model
-    or this window rule."""
+    None where there is none to restore: no state file beside them (weights saved
+    without accumulation), or a state for another model or window rule whose
+    window is empty (nothing would be lost; a rule may change between runs).
+    Raises a ValueError that names the file and the way out where the state file
+    cannot be read or does not belong to these weights, or holds an open window
+    for another model or window rule (with `skip_mismatch`, Keras's option to
+    load what fits, that window is dropped with a warning instead)."""
     filepath = os.fspath(filepath)
     path = saving.sidecar(filepath)
     if not os.path.exists(path):
@@ -196,6 +217,15 @@ def load(filepath, signature: dict) -> dict | None:
     entry = _entry_for(filepath, path, digest(filepath))
     saved = entry.pop(_SIGNATURE)
     mismatch = _mismatch(json.loads(str(saved)), signature)
+    if mismatch and not _open_window(entry):
+        return None
+    if mismatch and skip_mismatch:
+        warnings.warn(
+            f"gradaccum drops the open window saved in {path}: it was saved for "
+            f"another {mismatch} (load_weights(skip_mismatch=True)).",
+            stacklevel=3,
+        )
+        return None
     if mismatch:
         raise ValueError(
             f"The accumulation state in {path} was saved for another {mismatch}, so "
@@ -204,6 +234,12 @@ def load(filepath, signature: dict) -> dict | None:
             "an empty window (the open window's micro-batches are lost)."
         )
     return entry
+
+
+def _open_window(entry: dict) -> bool:
+    """Whether a saved state holds micro-batches of an open window."""
+    return any(np.any(np.asarray(value)) for key, value in entry.items()
+               if key.endswith("micro_step") or key.endswith("window_skipped"))
 
 
 def check_readable(filepath) -> None:
@@ -225,21 +261,23 @@ def _entry_for(filepath: str, path: str, weights_digest: str) -> dict:
         with np.load(path, allow_pickle=False) as store:
             values = {key: store[key] for key in store.files}
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError) as error:
+        reason = "not a NumPy archive" if "pickle" in str(error) else str(error)
         raise ValueError(
-            f"The accumulation state file {path} cannot be read ({error}): it is "
+            f"The accumulation state file {path} cannot be read ({reason}): it is "
             "truncated or damaged. Load a save whose state file is whole; or delete "
             "it to load the weights with an empty window (the open window's "
             "micro-batches are lost)."
         ) from None
     version = values.get(_FORMAT)
     if version is None or int(version) != FORMAT:
-        found = "none" if version is None else int(version)
+        found = ("gradaccum's first format, saved apart from its weights"
+                 if version is None else f"format {int(version)}")
         raise ValueError(
-            f"The accumulation state file {path} has format {found}; this gradaccum "
+            f"The accumulation state file {path} has {found}; this gradaccum "
             f"reads format {FORMAT} (the weights and the window state saved as one "
-            "pair). Load it with the gradaccum that saved it and save again; or "
-            "delete it to load the weights with an empty window (the open window's "
-            "micro-batches are lost)."
+            "pair, tied by the weights' digest). Load it with the gradaccum that "
+            "saved it and save again; or delete it to load the weights with an "
+            "empty window (the open window's micro-batches are lost)."
         )
     for prefix in ("", _PREVIOUS):
         if str(values.get(prefix + _WEIGHTS, "")) == weights_digest:

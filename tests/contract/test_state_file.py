@@ -127,7 +127,8 @@ def test_a_state_file_of_another_format_is_an_error(tmp_path):
         values = {k: store[k] for k in store.files if not k.startswith("gradaccum@")}
     np.savez(path + saving.SIDECAR, **values)  # as gradaccum wrote it before (format 1)
     with pytest.raises(ValueError, match=re.escape(
-            f"has format none; this gradaccum reads format {state_file.FORMAT}")):
+            "has gradaccum's first format, saved apart from its weights; this "
+            f"gradaccum reads format {state_file.FORMAT}")):
         _ready(_trainer()).load_weights(path)
 
 
@@ -205,3 +206,78 @@ def test_backup_and_restore_falls_back_with_the_backups_window(tmp_path):
     assert_weights_close(resumed, full)
     assert_optimizer_close(resumed.optimizer, full.optimizer)
     assert history.history["updates"][-1] == float(int(full.optimizer.iterations))
+
+
+def test_with_no_open_window_another_rule_or_frozen_layers_load(tmp_path):
+    # A window that closed with the data (partial="flush") leaves nothing open:
+    # a model with another rule, or with a layer frozen, loads the weights.
+    x, y = data(40)
+    model = _trainer()
+    model.fit(x[:24], y[:24], batch_size=4, epochs=1, shuffle=False, verbose=0)
+    path = str(tmp_path / "closed.weights.h5")
+    model.save_weights(path)
+    for loader in (_trainer(steps=8), _trainer(weighting="uniform")):
+        _ready(loader).load_weights(path)
+        for a, b in zip(loader.get_weights(), model.get_weights()):
+            np.testing.assert_array_equal(a, b)
+    frozen = mlp(4)
+    frozen.layers[0].trainable = False
+    gradaccum.accumulate(frozen, steps=4)
+    frozen.compile(keras.optimizers.Adam(0.05), SCE)
+    _ready(frozen).load_weights(path)
+    np.testing.assert_array_equal(frozen.get_weights()[0], model.get_weights()[0])
+
+
+def test_skip_mismatch_drops_an_open_window_of_another_rule_with_a_warning(tmp_path):
+    path, model = _saved_mid_window(tmp_path)
+    loader = _ready(_trainer(steps=8))
+    with pytest.warns(UserWarning, match="gradaccum drops the open window saved in"):
+        loader.load_weights(path, skip_mismatch=True)
+    assert gradaccum.attach.accumulation_of(loader).open_micro_batches() == 0
+    for a, b in zip(loader.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_saves_keep_file_modes_write_through_links_and_take_keras_arguments(tmp_path):
+    path, model = _saved_mid_window(tmp_path)
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in ("mid.weights.h5", "mid.weights.h5.gradaccum.npz"):
+        assert os.stat(tmp_path / name).st_mode & 0o777 == 0o666 & ~umask, name
+    os.chmod(path, 0o640)
+    model.save_weights(path, True)  # Keras's positional `overwrite`
+    assert os.stat(path).st_mode & 0o777 == 0o640
+    # A link to the weights is written through, as Keras writes.
+    target = tmp_path / "runs"
+    target.mkdir()
+    link = tmp_path / "latest.weights.h5"
+    os.symlink(target / "ckpt.weights.h5", link)
+    model.save_weights(link)
+    assert os.path.islink(link) and (target / "ckpt.weights.h5").exists()
+    resumed = _ready(_trainer(seed=5))
+    resumed.load_weights(link)
+    assert gradaccum.attach.accumulation_of(resumed).open_micro_batches() == 2
+
+
+def test_a_sharded_save_is_tied_to_its_shards(tmp_path):
+    # Keras lists the shards in its .weights.json; the digest covers them, so
+    # shards of an older save beside a newer state are refused, not loaded with
+    # the wrong window.
+    x, y = data(40)
+    path, model = _saved_mid_window(tmp_path)
+    sharded = str(tmp_path / "sharded.weights.json")
+    model.save_weights(sharded, max_shard_size=0.0001)
+    shards = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("sharded_"))
+    assert shards
+    saved = {name: (tmp_path / name).read_bytes() for name in shards}
+    # Two saves later, after an update each (a pair is tied by its weights' bytes:
+    # saves with no update between them hold the same weights, and any of their
+    # windows goes with them), the first save's shards are neither entry's.
+    for start in (24, 32):
+        model.fit(x[start:start + 8], y[start:start + 8], batch_size=4, epochs=1,
+                  shuffle=False, verbose=0)
+        model.save_weights(sharded, max_shard_size=0.0001)
+    for name, content in saved.items():
+        (tmp_path / name).write_bytes(content)
+    with pytest.raises(ValueError, match="was not saved with the weights in"):
+        _ready(_trainer(seed=5)).load_weights(sharded)

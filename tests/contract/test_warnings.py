@@ -66,10 +66,13 @@ def test_equal_ratios_across_the_outputs_say_nothing():
     assert not [m for m in messages if "weighting='exact'" in m], messages
 
 
-def test_a_subclassed_model_whose_terms_cannot_all_be_checked_says_so():
-    # A subclassed model has no `outputs` before Keras builds its compiled loss:
-    # where the state was made for fewer terms, fit says the check is incomplete;
-    # where the terms were known (the loss built first), it checks them.
+def test_a_subclassed_models_outputs_are_checked_too():
+    # A subclassed model has no `outputs` before Keras builds its compiled loss
+    # (on TensorFlow after the state is made): the state has room for up to 8
+    # terms, so its two outputs are checked as the functional model's are.
     unequal = np.where(np.arange(16) < 6, 3.0, 0.2).astype("float32")
     messages = _fit_with_output_weights(TwoOutputs(), unequal)
-    assert any(APPROXIMATE in m or UNCHECKED in m for m in messages), messages
+    assert sum(APPROXIMATE in m for m in messages) == 1, messages
+    assert not [m for m in messages if UNCHECKED in m], messages
+    messages = _fit_with_output_weights(TwoOutputs(), np.full(16, 2.0, "float32"))
+    assert not [m for m in messages if "weighting='exact'" in m], messages

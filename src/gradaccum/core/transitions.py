@@ -363,11 +363,15 @@ def track_terms(fit, record, normalizers) -> None:
             "warning. Give the compiled loss as a list or dict, one per output.",
             stacklevel=2,
         )
-    if not kept.shape[0]:
+    slots = kept.shape[0]
+    if not slots:
         return
     first = ops.cast(normalizers[0], "float32")
     ratios = ops.stack([ops.divide_no_nan(ops.cast(n, "float32"), first)
-                        for n in normalizers[1:]])[: kept.shape[0]]
+                        for n in normalizers[1:]])[:slots]
+    if ratios.shape[0] < slots:
+        # Fewer terms than slots: the others stay as they are.
+        ratios = ops.concatenate([ratios, kept[ratios.shape[0]:]])
     opening = window_length(record) == 0
     differs = ops.any(ops.abs(ratios - kept) > 1e-6 * ops.abs(kept))
     fit.set("inexact", fit.get("inexact") | (~opening & differs))
