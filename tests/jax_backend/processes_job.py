@@ -2,10 +2,10 @@
 `keras.distribution.initialize`, gloo collectives on CPU) training under Keras's
 `DataParallel` across both, for tests/jax_backend/test_jax_processes.py. Run as
 `python processes_job.py PROCESS_ID PORT MODE FOLDER`: each process feeds its half
-of every global batch of 8 (its own 4 samples) and prints, as JSON, the weights it
-ends with. MODE `train`: `accumulate(steps=3)` and `Privacy` (with and without a
-seed). MODE `stop`: 5 global batches of the first epoch with windows of 3 carried
-(two open), saved to FOLDER; then process 1 is SIGKILLed, and process 0;
+of every global batch of 8 (its own 4 samples) and prints, as JSON lines, the
+weights it ends with. MODE `train`: `accumulate(steps=3)` and `Privacy` (with and
+without a seed); then 5 global batches of an epoch with windows of 3 carried (two
+open), saved to FOLDER, and the job is killed: process 1 (SIGKILL), then process 0.
 MODE `resume`: new processes load that checkpoint and train the rest."""
 
 from __future__ import annotations
@@ -89,8 +89,8 @@ def main(process: int, port: str, mode: str = "train", folder: str = "") -> None
     # Each process feeds its own part of the global batch.
     keras.distribution.set_distribution(
         keras.distribution.DataParallel(devices=devices, auto_shard_dataset=False))
-    if mode != "train":
-        print(json.dumps(checkpointed(process, folder, resume=mode == "resume")))
+    if mode == "resume":
+        print(json.dumps(checkpointed(process, folder, resume=True)))
         return
     privacy = dict(l2_norm_clip=1.0, noise_multiplier=0.5)
     results = {
@@ -101,7 +101,9 @@ def main(process: int, port: str, mode: str = "train", folder: str = "") -> None
             dict(steps=3, privacy=gradaccum.Privacy(**privacy, seed=3)), process),
         "private": trained(dict(steps=3, privacy=gradaccum.Privacy(**privacy)), process),
     }
-    print(json.dumps(results))
+    print(json.dumps(results), flush=True)
+    # Then the job stops in the middle of a window, killed after a save.
+    checkpointed(process, folder, resume=False)
 
 
 if __name__ == "__main__":

@@ -52,15 +52,28 @@ def _run(*args) -> list:
             for other in jobs:
                 other.kill()
             raise
-        killed = args[0] == "stop"
+        killed = args[0] == "train"
         assert job.returncode == (-9 if killed else 0), err[-3000:]
-        outputs.append(json.loads(out.strip().splitlines()[-1]))
+        outputs.append([json.loads(line) for line in out.strip().splitlines()
+                        if line.startswith("{")])
     return outputs
 
 
 @pytest.fixture(scope="module")
-def results():
-    return _run("train")
+def folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("processes")
+
+
+@pytest.fixture(scope="module")
+def job(folder):
+    """The training job (killed at its end, mid-window, after a save): per
+    process, its results and the update count it was killed at."""
+    return _run("train", folder)
+
+
+@pytest.fixture(scope="module")
+def results(job):
+    return [lines[0] for lines in job]
 
 
 def _one_process(options):
@@ -104,12 +117,11 @@ def test_privacy_draws_the_same_noise_in_both_processes(results):
                for a, b in zip(drawn[0], seeded[0])) > 1e-4
 
 
-def test_a_process_killed_mid_window_and_both_resumed_end_exactly(tmp_path):
+def test_a_process_killed_mid_window_and_both_resumed_end_exactly(job, folder):
     # 5 global batches with windows of 3 carried: one update, 2 micro-batches open
-    # when the processes stop; the new processes finish the epoch's 6th batch.
-    stopped = _run("stop", tmp_path)
-    assert [r["iterations"] for r in stopped] == [1, 1]
-    resumed = _run("resume", tmp_path)
+    # when the processes are killed; the new processes finish the epoch's 6th batch.
+    assert [lines[-1]["iterations"] for lines in job] == [1, 1]
+    resumed = [lines[-1] for lines in _run("resume", folder)]
     assert [r["iterations"] for r in resumed] == [2, 2]
     _close(resumed[0]["weights"], resumed[1]["weights"], rtol=0, atol=0)
     x, y = data(48)
