@@ -241,32 +241,33 @@ def _install(model, accumulation) -> None:
             lambda force: cls.make_train_function(model, force=force), force
         )
 
-    def save_weights(filepath, overwrite=True, max_shard_size=None):
+    def save_weights(filepath, overwrite=True, *args, **kwargs):
         # The weights and the window state as one pair, whatever a kill meets
-        # (gradaccum.state_file).
+        # (gradaccum.state_file); Keras's other arguments passed on as given.
         filepath = os.fspath(filepath)
         if not overwrite and os.path.exists(filepath):
             if not kc.ask_to_proceed_with_overwrite(filepath):
                 return None
         store = {}
         accumulation.save_to(store)
+        sharded = (args[0] if args else kwargs.get("max_shard_size")) is not None
         state_file.save(
-            lambda path: cls.save_weights(model, path, overwrite=True,
-                                          max_shard_size=max_shard_size),
-            filepath, store, _signature(model, accumulation))
+            lambda path: cls.save_weights(model, path, True, *args, **kwargs),
+            filepath, store, _signature(model, accumulation), sharded=sharded)
         return None
 
-    def load_weights(filepath, skip_mismatch=False, **kwargs):
+    def load_weights(filepath, *args, **kwargs):
         # The state first: one that does not belong here changes nothing (unless
         # the weights file itself is unreadable: then Keras's OSError, which
         # BackupAndRestore(double_checkpoint=True) answers with its backup).
+        skip_mismatch = bool(args[0] if args else kwargs.get("skip_mismatch", False))
         try:
             store = state_file.load(filepath, _signature(model, accumulation),
                                     skip_mismatch=skip_mismatch)
         except ValueError:
             state_file.check_readable(filepath)
             raise
-        result = cls.load_weights(model, filepath, skip_mismatch=skip_mismatch, **kwargs)
+        result = cls.load_weights(model, filepath, *args, **kwargs)
         if store is not None:
             accumulation.load_from(store)
         return result

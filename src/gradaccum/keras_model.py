@@ -207,7 +207,7 @@ class AccumulatingModel(keras.Model):
 
     # Saving: the accumulation state travels with the weights ---------------------
 
-    def save_weights(self, filepath, overwrite=True, max_shard_size=None):
+    def save_weights(self, filepath, overwrite=True, *args, **kwargs):
         """Keras's `save_weights`, the window state inside the weights file,
         written to a temporary file renamed over `filepath`: a kill during the save
         leaves the previous file whole (`gradaccum.state_file`)."""
@@ -215,10 +215,11 @@ class AccumulatingModel(keras.Model):
         if not overwrite and os.path.exists(filepath):
             if not kc.ask_to_proceed_with_overwrite(filepath):
                 return
+        sharded = (args[0] if args else kwargs.get("max_shard_size")) is not None
         state_file.save_atomically(
             lambda path: super(AccumulatingModel, self).save_weights(
-                path, overwrite=True, max_shard_size=max_shard_size),
-            filepath)
+                path, True, *args, **kwargs),
+            filepath, atomic=not sharded)
 
     def save_own_variables(self, store):
         super().save_own_variables(store)

@@ -78,12 +78,18 @@ def _shard_names(listed) -> list:
     return names
 
 
-def save(save_weights, filepath, state: dict, signature: dict) -> None:
+def save(save_weights, filepath, state: dict, signature: dict, sharded=False) -> None:
     """Saves the weights with `save_weights(path)` (Keras's, to the path given) and
     `state` (the accumulation state's entries, `saving.PREFIX` names) beside them
     as one consistent pair: see the module's docstring. `signature` says which
-    model and window rule the state is for."""
-    filepath = os.fspath(filepath)
+    model and window rule the state is for. A `sharded` save (Keras's
+    `max_shard_size`) is written in place, its state tied to the `.weights.json`
+    and its shards."""
+    filepath = _resolved(filepath)
+    written_as = filepath
+    if sharded and filepath.endswith(_SUFFIX):
+        # Keras writes a sharded save to the `.weights.json` of the name.
+        filepath = filepath[:-len(".h5")] + ".json"
     path = saving.sidecar(filepath)
     # The entry of the save before this one, kept while its weights are on disk.
     previous = {}
@@ -103,16 +109,28 @@ def save(save_weights, filepath, state: dict, signature: dict) -> None:
         store.update({_PREVIOUS + key: value for key, value in previous.items()})
         _write(path, store)
 
-    save_atomically(save_weights, filepath, before_rename=commit)
+    if sharded:
+        save_weights(written_as)
+        commit(filepath)
+    else:
+        save_atomically(save_weights, filepath, before_rename=commit)
 
 
-def save_atomically(save_weights, filepath, before_rename=None) -> None:
+def _resolved(filepath) -> str:
+    """A local path with its symbolic links followed (the state file sits beside
+    the weights themselves, as a link to them may move); a remote one as given."""
+    filepath = os.fspath(filepath)
+    return filepath if "://" in filepath else os.path.realpath(filepath)
+
+
+def save_atomically(save_weights, filepath, before_rename=None, atomic=True) -> None:
     """`save_weights(path)` to a temporary `.weights.h5` file beside `filepath`,
     then renamed over it, so that a kill leaves the previous file whole (other
-    paths, sharded or remote, are written in place). `before_rename(path)` runs
-    between the write and the rename."""
+    paths, sharded or remote, are written in place, and so is any save where not
+    `atomic`: Keras shards a `max_shard_size` save whatever the name).
+    `before_rename(path)` runs between the write and the rename."""
     filepath = os.fspath(filepath)
-    atomic = filepath.endswith(_SUFFIX) and "://" not in filepath
+    atomic = atomic and filepath.endswith(_SUFFIX) and "://" not in filepath
     written = filepath
     if atomic:
         # Through a symbolic link, as Keras writes.
@@ -161,10 +179,23 @@ def _give_mode(temporary: str, target: str) -> None:
     try:
         mode = os.stat(target).st_mode & 0o777
     except OSError:
-        umask = os.umask(0)
-        os.umask(umask)
-        mode = 0o666 & ~umask
+        mode = 0o666 & ~_umask()
     os.chmod(temporary, mode)
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where the system says it
+    (setting it to read it would leave other threads' files without it a moment)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
 
 
 def _write(path: str, store: dict) -> None:
@@ -203,22 +234,29 @@ def _sync_folder(path: str) -> None:
 
 def load(filepath, signature: dict, skip_mismatch: bool = False) -> dict | None:
     """The state saved with the weights in `filepath` (`saving.PREFIX` names), or
-    None where there is none to restore: no state file beside them (weights saved
-    without accumulation), or a state for another model or window rule whose
-    window is empty (nothing would be lost; a rule may change between runs).
+    None where there is none (weights saved without accumulation). A state for
+    another model or window rule whose window is empty loads (nothing is lost; a
+    rule may change between runs, layers be frozen).
     Raises a ValueError that names the file and the way out where the state file
     cannot be read or does not belong to these weights, or holds an open window
     for another model or window rule (with `skip_mismatch`, Keras's option to
     load what fits, that window is dropped with a warning instead)."""
-    filepath = os.fspath(filepath)
+    given = os.fspath(filepath)
+    filepath = _resolved(given)
     path = saving.sidecar(filepath)
     if not os.path.exists(path):
         return None
+    if filepath == os.path.abspath(given):
+        # Messages name the files as the caller does (no link between).
+        filepath, path = given, saving.sidecar(given)
     entry = _entry_for(filepath, path, digest(filepath))
     saved = entry.pop(_SIGNATURE)
     mismatch = _mismatch(json.loads(str(saved)), signature)
     if mismatch and not _open_window(entry):
-        return None
+        # Nothing open to lose: the counters (a schedule's position, the skips,
+        # the epoch's position) go on; the empty window's sums find their
+        # variables or are left.
+        return entry
     if mismatch and skip_mismatch:
         warnings.warn(
             f"gradaccum drops the open window saved in {path}: it was saved for "

@@ -19,6 +19,7 @@ from largebatch import SCE, assert_optimizer_close, assert_weights_close, data, 
 
 import gradaccum
 from gradaccum import saving, state_file
+from gradaccum.attach import accumulation_of
 
 
 def _trainer(steps=4, seed=0, **options):
@@ -216,10 +217,14 @@ def test_with_no_open_window_another_rule_or_frozen_layers_load(tmp_path):
     model.fit(x[:24], y[:24], batch_size=4, epochs=1, shuffle=False, verbose=0)
     path = str(tmp_path / "closed.weights.h5")
     model.save_weights(path)
+    updates = accumulation_of(model).window_values("updates")
+    assert updates == [2]  # one window of 4, the 2 left flushed
     for loader in (_trainer(steps=8), _trainer(weighting="uniform")):
         _ready(loader).load_weights(path)
         for a, b in zip(loader.get_weights(), model.get_weights()):
             np.testing.assert_array_equal(a, b)
+        # The counters go on (a schedule's position among them).
+        assert accumulation_of(loader).window_values("updates") == updates
     frozen = mlp(4)
     frozen.layers[0].trainable = False
     gradaccum.accumulate(frozen, steps=4)
@@ -254,8 +259,17 @@ def test_saves_keep_file_modes_write_through_links_and_take_keras_arguments(tmp_
     os.symlink(target / "ckpt.weights.h5", link)
     model.save_weights(link)
     assert os.path.islink(link) and (target / "ckpt.weights.h5").exists()
+    for name in (link, target / "ckpt.weights.h5"):  # the pair is the file's
+        resumed = _ready(_trainer(seed=5))
+        resumed.load_weights(name)
+        assert gradaccum.attach.accumulation_of(resumed).open_micro_batches() == 2
+    # Keras shards a `max_shard_size` save whatever its name: the file there
+    # stays as it was, and the shards load with their window.
+    before = open(path, "rb").read()
+    model.save_weights(path, True, 0.0001)
+    assert open(path, "rb").read() == before
     resumed = _ready(_trainer(seed=5))
-    resumed.load_weights(link)
+    resumed.load_weights(str(tmp_path / "mid.weights.json"))
     assert gradaccum.attach.accumulation_of(resumed).open_micro_batches() == 2
 
 

@@ -372,7 +372,9 @@ def track_terms(fit, record, normalizers) -> None:
     if ratios.shape[0] < slots:
         # Fewer terms than slots: the others stay as they are.
         ratios = ops.concatenate([ratios, kept[ratios.shape[0]:]])
-    opening = window_length(record) == 0
+    # Ratios never set (a state restored without them, or made for fewer terms)
+    # are taken from this micro-batch, as at a window's start.
+    opening = (window_length(record) == 0) | ops.all(kept == 0)
     differs = ops.any(ops.abs(ratios - kept) > 1e-6 * ops.abs(kept))
     fit.set("inexact", fit.get("inexact") | (~opening & differs))
     fit.set("term_ratios", _where(opening, ratios, kept))
@@ -589,89 +591,46 @@ def kept_logs(accepted, logs, trackers, moved, by_value=True):
     """A step's `logs` (its returned dict, nested dicts included) where its
     micro-batch may have been skipped. `moved`: the model's metric results after
     the micro-batch, `trackers`: the same after the skip was undone (equal where
-    it was accepted). Where not `accepted`, an entry a tracker produced in this
-    step takes the tracker's value without the micro-batch: an entry named as a
-    tracker that moved, or else one equal to the moved value of a tracker no
-    entry has claimed yet, in the order of the logs (keras.io's VAE logs its
-    `total_loss` tracker as "loss"). Other entries (a raw loss logged beside its
-    tracker, a tracker that did not move: Keras's loss tracker in a step that
-    keeps its own) stay as returned. Without `by_value` (Keras's step, whose logs
-    are the trackers' results) entries match by name only."""
+    it was accepted). Where not `accepted`, an entry a tracker that moved in this
+    step holds takes that tracker's value without the micro-batch: the tracker of
+    its name, else any whose moved value the entry equals (keras.io's VAE logs its
+    `total_loss` tracker as "loss"; a raw loss equal to a tracker's value reads it
+    too). Other entries (a raw loss no moved tracker holds; a tracker that did not
+    move, such as Keras's loss tracker in a step that keeps its own) stay as
+    returned. Without `by_value` (Keras's step, whose logs are the trackers'
+    results) entries match by name only."""
     if not isinstance(logs, dict):
         return logs
-    entries = _flat_entries(logs)
-    named = {name for name, _ in entries if name in trackers}
-    claimed = {}
-    kept = {}
-    for path, (name, value) in zip(_paths(logs), entries):
-        kept[path] = _kept_entry(accepted, name, value, trackers, moved,
-                                 by_value, named, claimed)
-    return _rebuilt(logs, kept)
-
-
-def _flat_entries(logs, prefix=()):
-    entries = []
-    for name, value in logs.items():
-        if isinstance(value, dict):
-            entries += _flat_entries(value, prefix + (name,))
-        else:
-            entries.append((name, value))
-    return entries
-
-
-def _paths(logs, prefix=()):
-    paths = []
-    for name, value in logs.items():
-        if isinstance(value, dict):
-            paths += _paths(value, prefix + (name,))
-        else:
-            paths.append(prefix + (name,))
-    return paths
-
-
-def _rebuilt(logs, kept, prefix=()):
-    return {name: (_rebuilt(value, kept, prefix + (name,)) if isinstance(value, dict)
-                   else kept[prefix + (name,)])
+    return {name: (kept_logs(accepted, value, trackers, moved, by_value)
+                   if isinstance(value, dict)
+                   else _kept_entry(accepted, name, value, trackers, moved, by_value))
             for name, value in logs.items()}
 
 
-def _kept_entry(accepted, name, value, trackers, moved, by_value, named, claimed):
-    """One entry of `kept_logs`; `named`: the trackers some entry is named after,
-    `claimed`: per tracker, whether an earlier entry took it by value (updated)."""
+def _kept_entry(accepted, name, value, trackers, moved, by_value):
     try:
         value = ops.convert_to_tensor(value)
     except (TypeError, ValueError):
         return value
     if not _is_float(value):
         return value
-
-    def pair(other):
-        tracker, after = trackers[other], moved.get(other)
-        if after is None:
-            return None
-        tracker, after = ops.convert_to_tensor(tracker), ops.convert_to_tensor(after)
-        if tuple(tracker.shape) != tuple(value.shape) or not _is_float(tracker):
-            return None
-        return ops.cast(tracker, value.dtype), ops.cast(after, value.dtype)
-
     kept = value
-    found = ops.convert_to_tensor(False)
-    if name in trackers and pair(name) is not None:
-        tracker, after = pair(name)
-        found = ops.logical_not(ops.all(_same(after, tracker)))
-        kept = ops.where(found, tracker, kept)
-    if by_value:
-        for other in trackers:
-            if other == name or other in named or pair(other) is None:
-                continue
-            tracker, after = pair(other)
-            taken = claimed.get(other, ops.convert_to_tensor(False))
-            match = (ops.logical_not(found) & ops.logical_not(taken)
-                     & ops.logical_not(ops.all(_same(after, tracker)))
-                     & ops.all(_same(value, after)))
-            kept = ops.where(match, tracker, kept)
-            claimed[other] = taken | match
-            found = found | match
+    # Applied last wins: other trackers by value first, the entry's name last.
+    names = [other for other in trackers if other != name] if by_value else []
+    if name in trackers:
+        names.append(name)
+    for other in names:
+        after = moved.get(other)
+        if after is None:
+            continue
+        tracker, after = ops.convert_to_tensor(trackers[other]), ops.convert_to_tensor(after)
+        if tuple(tracker.shape) != tuple(value.shape) or not _is_float(tracker):
+            continue
+        tracker, after = ops.cast(tracker, value.dtype), ops.cast(after, value.dtype)
+        moved_here = ops.logical_not(ops.all(_same(after, tracker)))
+        if other != name:
+            moved_here = moved_here & ops.all(_same(value, after))
+        kept = ops.where(moved_here, tracker, kept)
     return ops.where(accepted, value, kept)
 
 
