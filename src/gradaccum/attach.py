@@ -245,12 +245,11 @@ def _install(model, accumulation) -> None:
         # The weights and the window state as one pair, whatever a kill meets
         # (gradaccum.state_file); Keras's other arguments passed on as given.
         filepath = os.fspath(filepath)
-        if not overwrite and os.path.exists(filepath):
-            if not kc.ask_to_proceed_with_overwrite(filepath):
-                return None
+        proceed, sharded = state_file.keras_save(filepath, overwrite, args, kwargs)
+        if not proceed:
+            return None
         store = {}
         accumulation.save_to(store)
-        sharded = (args[0] if args else kwargs.get("max_shard_size")) is not None
         state_file.save(
             lambda path: cls.save_weights(model, path, True, *args, **kwargs),
             filepath, store, _signature(model, accumulation), sharded=sharded)

@@ -16,7 +16,6 @@ import warnings
 import keras
 
 from gradaccum import _backend, state_file
-from gradaccum import _keras_common as kc
 from gradaccum._validation import check_optimizer
 from gradaccum.adapter import ATTRIBUTE
 from gradaccum.core.options import NAMES, Options, documented, given
@@ -212,10 +211,9 @@ class AccumulatingModel(keras.Model):
         written to a temporary file renamed over `filepath`: a kill during the save
         leaves the previous file whole (`gradaccum.state_file`)."""
         filepath = os.fspath(filepath)
-        if not overwrite and os.path.exists(filepath):
-            if not kc.ask_to_proceed_with_overwrite(filepath):
-                return
-        sharded = (args[0] if args else kwargs.get("max_shard_size")) is not None
+        proceed, sharded = state_file.keras_save(filepath, overwrite, args, kwargs)
+        if not proceed:
+            return
         state_file.save_atomically(
             lambda path: super(AccumulatingModel, self).save_weights(
                 path, True, *args, **kwargs),

@@ -34,6 +34,7 @@ import zipfile
 
 import numpy as np
 
+from gradaccum import _keras_common as kc
 from gradaccum import saving
 
 FORMAT = 2
@@ -114,6 +115,17 @@ def save(save_weights, filepath, state: dict, signature: dict, sharded=False) ->
         commit(filepath)
     else:
         save_atomically(save_weights, filepath, before_rename=commit)
+
+
+def keras_save(filepath, overwrite, args, kwargs) -> tuple[bool, bool]:
+    """What a `save_weights(filepath, overwrite, *args, **kwargs)` call asks, read
+    as Keras reads it: whether to go on (an existing file and `overwrite=False`
+    ask the user, as Keras does) and whether the save is sharded
+    (`max_shard_size`, Keras's third argument)."""
+    if not overwrite and os.path.exists(filepath):
+        if not kc.ask_to_proceed_with_overwrite(filepath):
+            return False, False
+    return True, (args[0] if args else kwargs.get("max_shard_size")) is not None
 
 
 def _resolved(filepath) -> str:
