@@ -43,25 +43,36 @@ def _trainer(**options):
     return model
 
 
-def test_terminate_on_nan_goes_on_past_a_skipped_micro_batch():
+def _fit_past_a_nan(model, epochs):
+    """Fits `model` on the data with a nan (micro-batches of 8) under
+    TerminateOnNaN; returns the History and the logs callbacks saw."""
     x, y = _data_with_a_nan()
-    model = _trainer()
     logs = _Logs()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        history = model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
+        history = model.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0,
                             callbacks=[keras.callbacks.TerminateOnNaN(), logs])
-    # Every epoch ran: 2 windows each (the first applied from micro-batch 1 alone).
-    assert history.history["updates"] == [2.0, 4.0, 6.0]
-    assert history.history["skipped"] == [1.0, 2.0, 3.0]
+    return history, logs
+
+
+def _assert_the_skip_left_out(history, logs, epochs):
+    """Every epoch ran (2 windows each, the first applied from micro-batch 1 alone),
+    the logs are finite, and the skipped micro-batch (the second of each epoch)
+    leaves the running loss and accuracy as the first micro-batch left them."""
+    assert history.history["updates"] == [2.0 * (e + 1) for e in range(epochs)]
+    assert history.history["skipped"] == [1.0 * (e + 1) for e in range(epochs)]
     for entry in logs.batches + logs.epochs:
         assert np.isfinite(entry["loss"]) and np.isfinite(entry["accuracy"]), entry
-    # The skipped micro-batch (the second of each epoch) leaves the running loss and
-    # accuracy as the first micro-batch left them.
-    for epoch in range(3):
+    for epoch in range(epochs):
         first, second = logs.batches[4 * epoch], logs.batches[4 * epoch + 1]
         assert second["loss"] == pytest.approx(first["loss"], rel=1e-6)
         assert second["accuracy"] == pytest.approx(first["accuracy"], rel=1e-6)
+
+
+def test_terminate_on_nan_goes_on_past_a_skipped_micro_batch():
+    model = _trainer()
+    history, logs = _fit_past_a_nan(model, 3)
+    _assert_the_skip_left_out(history, logs, 3)
     assert np.all(np.isfinite(np.concatenate([w.ravel() for w in model.get_weights()])))
 
 
@@ -237,21 +248,10 @@ def _tracked_step(nonfinite="skip", style="trackers"):
 
 
 def test_a_models_own_step_keeps_a_skipped_micro_batch_out_of_its_trackers():
-    x, y = _data_with_a_nan()
-    model = _tracked_step()
-    logs = _Logs()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        history = model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
-                            callbacks=[keras.callbacks.TerminateOnNaN(), logs])
-    assert history.history["updates"] == [2.0, 4.0, 6.0]
-    assert history.history["skipped"] == [1.0, 2.0, 3.0]
-    for entry in logs.batches + logs.epochs:
-        assert np.isfinite(entry["loss"]) and np.isfinite(entry["accuracy"]), entry
+    history, logs = _fit_past_a_nan(_tracked_step(), 3)
+    _assert_the_skip_left_out(history, logs, 3)
     for epoch in range(3):
-        first, second = logs.batches[4 * epoch], logs.batches[4 * epoch + 1]
-        assert second["loss"] == pytest.approx(first["loss"], rel=1e-6)
-        assert second["accuracy"] == pytest.approx(first["accuracy"], rel=1e-6)
+        second = logs.batches[4 * epoch + 1]
         # The raw loss holds the loss tracker's moved value (nan): it reads the
         # tracker too, as the entry named after it does.
         assert second["raw"] == pytest.approx(second["loss"], rel=1e-6)
@@ -330,13 +330,7 @@ def test_an_own_steps_tracker_under_another_name_and_nested_logs_are_kept():
     # keras.io's VAE logs its `total_loss` tracker as "loss" (here after its raw
     # loss, which comes first); the accuracy sits in a nested dict. Each reads its
     # tracker without the skipped micro-batch.
-    x, y = _data_with_a_nan()
-    model = _tracked_step(style="vae")
-    logs = _Logs()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
-                            callbacks=[keras.callbacks.TerminateOnNaN(), logs])
+    history, logs = _fit_past_a_nan(_tracked_step(style="vae"), 2)
     assert history.history["updates"] == [2.0, 4.0]
     for epoch in range(2):
         first, second = logs.batches[4 * epoch], logs.batches[4 * epoch + 1]
