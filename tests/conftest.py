@@ -12,7 +12,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-if keras.backend.backend() != "jax":  # the JAX process (tests/jax_backend) needs no TensorFlow
+if keras.backend.backend() == "tensorflow":  # JAX's and torch's processes need none
     import tensorflow as tf
 
 import tiers  # noqa: E402
@@ -21,8 +21,11 @@ TESTS = pathlib.Path(__file__).resolve().parent
 # The large-batch references every backend's tests share (tests/contract/largebatch.py).
 sys.path.insert(0, str(TESTS / "contract"))
 
-# tests/jax_backend runs in a process of its own with KERAS_BACKEND=jax (scripts/test.sh).
-collect_ignore = ["jax_backend"] if keras.backend.backend() != "jax" else []
+# tests/jax_backend and tests/torch_backend run in processes of their own with
+# KERAS_BACKEND=jax and torch (scripts/test.sh).
+collect_ignore = [name for name, backend in (("jax_backend", "jax"),
+                                             ("torch_backend", "torch"))
+                  if keras.backend.backend() != backend]
 
 OPTIMIZERS = {
     "sgd": lambda: keras.optimizers.SGD(0.1),

@@ -1,4 +1,4 @@
-"""gradaccum: exact gradient accumulation for Keras 3, on TensorFlow and JAX.
+"""gradaccum: exact gradient accumulation for Keras 3, on TensorFlow, JAX and PyTorch.
 
 Train with an effective batch of k x b at the memory of b: gradients of k
 micro-batches are combined, weighted by each micro-batch's loss normalizer, into one
@@ -22,6 +22,7 @@ _EXPORTS = {
     "GradientAccumulator": {
         "tensorflow": "gradaccum.backends.tensorflow.accumulator",
         "jax": "gradaccum.backends.jax.accumulator",
+        "torch": "gradaccum.backends.torch.accumulator",
     },
     "AccumulatingModel": "gradaccum.keras_model",
     "BatchNormalization": "gradaccum.backends.tensorflow.batch_norm",

@@ -16,6 +16,7 @@ from gradaccum import _tf
 ADAPTERS = {
     "tensorflow": "gradaccum.backends.tensorflow.fit",
     "jax": "gradaccum.backends.jax.fit",
+    "torch": "gradaccum.backends.torch.fit",
 }
 # Public names that run on some backends only, and those backends.
 ONLY_ON = {

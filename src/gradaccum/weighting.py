@@ -47,7 +47,9 @@ def loss_normalizer(losses, sample_weight, mask, reduction, dtype="float32"):
     ops = keras.ops
     values = ops.convert_to_tensor(losses, dtype=dtype)
     if sample_weight is not None:
-        sample_weight = ops.cast(sample_weight, dtype)
+        # A copy: Keras's `apply_mask` multiplies it in place on PyTorch, and the
+        # loss Keras computed from it is still to be differentiated.
+        sample_weight = ops.copy(ops.cast(sample_weight, dtype))
     if mask is not None:
         mask = ops.cast(mask, dtype)
     combined = kc.apply_mask(sample_weight, mask, dtype=values.dtype, reduction=reduction)

@@ -153,7 +153,8 @@ def test_epoch_loss_is_the_per_sample_mean_under_every_weighting(weighting, spli
 
 class TrackedStep(keras.Model):
     """A model with its own train_step in Keras's pattern for the backend (a tape
-    and `apply_gradients` on TensorFlow, keras.io's stateless step on JAX) that
+    and `apply_gradients` on TensorFlow, keras.io's stateless step on JAX,
+    `backward()` and `optimizer.apply` on PyTorch) that
     updates the model's trackers and also logs its raw batch loss as `raw`."""
 
     def __init__(self, style="trackers"):
@@ -183,14 +184,27 @@ class TrackedStep(keras.Model):
     def train_step(self, *args):
         if keras.backend.backend() == "jax":
             return self._jax_step(*args)
-        import tensorflow as tf
-
         (x, y) = args[0]
-        with tf.GradientTape() as tape:
+        if keras.backend.backend() == "torch":
+            import torch
+
+            # keras.io's torch pattern: backward(), then apply under no_grad.
             y_pred = self(x, training=True)
             loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
-        grads = tape.gradient(loss, self.trainable_variables)
-        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+            self.zero_grad()
+            loss.backward()
+            grads = [v.value.grad for v in self.trainable_weights]
+            with torch.no_grad():
+                self.optimizer.apply(grads, self.trainable_weights)
+            loss = loss.detach()
+        else:
+            import tensorflow as tf
+
+            with tf.GradientTape() as tape:
+                y_pred = self(x, training=True)
+                loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+            grads = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
         if self.style == "raw":
             return {"loss": loss}
         logs = {}

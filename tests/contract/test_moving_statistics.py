@@ -141,7 +141,7 @@ def _pooled_by_hand(model, names, micro_batches):
         outputs = extractor(xb, training=True)
         outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
         for i, out in enumerate(outputs):
-            a = np.asarray(out, "float64")
+            a = keras.ops.convert_to_numpy(out).astype("float64")
             axes = tuple(range(a.ndim - 1))
             seen[i].append((a.size / a.shape[-1], a.mean(axes), a.var(axes)))
     for variable, value in zip(model.weights, saved):

@@ -1,0 +1,332 @@
+"""`GradientAccumulator` on PyTorch: accumulation for a custom training loop in
+keras.io's "training loop from scratch in PyTorch" pattern, and under
+`torch.distributed` with one all-reduce per update.
+
+The state is `keras.Variable`s (torch tensors, `state.TorchState`); what a
+micro-batch does to the window is `gradaccum.core.transitions`, the state machine
+`fit` runs on every backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from gradaccum import _keras_common as kc
+from gradaccum._validation import (
+    accumulator_dtype_name,
+    check_choice,
+    check_nonfinite,
+    check_optimizer,
+    check_variables,
+    check_weight_value,
+)
+from gradaccum.backends.torch.distributed import Reducer, default_group
+from gradaccum.backends.torch.fit import WindowRule
+from gradaccum.backends.torch.record import WindowRecord, tensor, truth
+from gradaccum.backends.torch.state import TorchState
+from gradaccum.core import transitions as tr
+from gradaccum.core.combine import REDUCTIONS, combine
+from gradaccum.core.screening import warn_skipped
+
+__all__ = ["GradientAccumulator"]
+
+
+class GradientAccumulator:
+    """Accumulates micro-batch gradients in a PyTorch training loop and applies their
+    combination.
+
+    A window of micro-batches with gradients `g_i` and weights `w_i` becomes one
+    update with `G = sum_i w_i g_i / sum_i w_i` (reduction `"mean"`), the gradient on
+    the concatenated window when `w_i` is the micro-batch's loss normalizer (its
+    size for a per-sample mean loss, its token count for a per-token mean). Pass it
+    the parameters' `.grad` after `loss.backward()`: `[v.value.grad for v in
+    model.trainable_weights]` (a `None` gradient leaves its sum; a variable with
+    none in the whole window is left out of the update).
+
+    Under `torch.distributed` (initialized with several processes), each process
+    accumulates its own micro-batches and a closing window makes one all-reduce of
+    its sums and weights: every process applies the update of one process training
+    on the global window. Run each micro-batch's forward and backward pass inside
+    `acc.no_sync(ddp_model)` so that `DistributedDataParallel` communicates nothing
+    itself: one all-reduce per update in all (`all_reduces` counts gradaccum's).
+
+    Mixed precision: with a `keras.optimizers.LossScaleOptimizer`, pass gradients of
+    `optimizer.scale_loss(loss)`; each micro-batch is unscaled into the float32
+    sums, an overflowing one is skipped and the scale backs off.
+
+    Args:
+        variables: the trainable variables whose gradients are accumulated, in the
+            order of the gradient lists passed to `step` and `accumulate`.
+        steps: micro-batches per window, used by `step`: an integer >= 1, sorted
+            `(from_update, k)` pairs starting at 0, or a callable
+            `update_index -> int` (a Python int). A window's length is read when it
+            opens. None when the caller decides when to `apply`.
+        weight_per_update: instead of `steps`, a weight budget: `step` closes the
+            window at the first micro-batch after which its total weight (the
+            global window's under torch.distributed) reaches it.
+        reduction: `"mean"` (default) or `"sum"` (`G = sum_i g_i`, weights ignored).
+        accumulator_dtype: the sums' dtype, float32 by default whatever the
+            gradients' (bfloat16 gradients lose nothing).
+        nonfinite: a micro-batch whose gradient holds an inf or a nan is `"skip"`ped
+            (default: dropped with its weight, counted in `skipped`, warned once),
+            `"apply"`ed as it is, or `"raise"`s a `FloatingPointError`; or a
+            callable `gradients -> bool` (True skips the micro-batch).
+        process_group: the `torch.distributed` group a window is summed over:
+            `"auto"` (default) is the default group where torch.distributed is
+            initialized with several processes; None keeps each process's window
+            its own.
+        name: the name scope of the state's variables.
+
+    Raises:
+        ValueError: an empty variable list, invalid `steps`, `weight_per_update`
+            <= 0 or with `steps`, an unknown `reduction` or `nonfinite`, a
+            non-floating `accumulator_dtype`.
+
+    Example:
+
+    >>> import os; os.environ["KERAS_BACKEND"] = "torch"
+    >>> import keras, torch, numpy as np, gradaccum
+    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    >>> optimizer = keras.optimizers.SGD(0.1)
+    >>> acc = gradaccum.GradientAccumulator(model.trainable_variables, steps=2)
+    >>> x, y = torch.ones((12, 3)), torch.zeros((12, 1))
+    >>> for start in (0, 4, 8):  # micro-batches of 4, 4 and 4
+    ...     loss = keras.ops.mean((model(x[start:start + 4]) - y[start:start + 4]) ** 2)
+    ...     model.zero_grad()
+    ...     loss.backward()
+    ...     grads = [v.value.grad for v in model.trainable_weights]
+    ...     applied = acc.step(optimizer, grads, weight=4)
+    >>> bool(acc.apply(optimizer))  # the partial window of 1 at the end of the data
+    True
+    >>> int(acc.updates.numpy()), int(acc.micro_step.numpy())
+    (2, 0)
+    """
+
+    def __init__(self, variables, *, steps=None, weight_per_update=None, reduction="mean",
+                 accumulator_dtype="float32", nonfinite="skip", process_group="auto",
+                 name="gradient_accumulator"):
+        variables = check_variables(variables)
+        self._rule = WindowRule(steps, weight_per_update)
+        self.reduction = check_choice("reduction", reduction, REDUCTIONS)
+        self.accumulator_dtype = accumulator_dtype_name(accumulator_dtype)
+        self.nonfinite = check_nonfinite(nonfinite)
+        self.policy = tr.Policy(self._rule, self.reduction, self.nonfinite)
+        self.target_variables = tuple(variables)
+        self.state = TorchState(variables, self.accumulator_dtype, fit=False, name=name)
+        group = default_group(process_group)
+        self._reducer = Reducer(group) if group is not None else None
+        self._warned_skip = False
+        self._scaling = None
+
+    # Read-only views ----------------------------------------------------------------
+
+    @property
+    def steps(self):
+        """Micro-batches per window used by `step` (an int, the schedule as given,
+        or None)."""
+        return self._rule.steps
+
+    @property
+    def weight_per_update(self):
+        return self._rule.weight_per_update
+
+    @property
+    def all_reduces(self) -> int:
+        """All-reduces this accumulator made under torch.distributed (one per
+        update; with a weight budget, one more per micro-batch)."""
+        return 0 if self._reducer is None else self._reducer.all_reduces
+
+    @property
+    def accumulators(self) -> list:
+        return list(self.state.accumulators)
+
+    def __getattr__(self, name):
+        # The record's fields as variables: updates, micro_step, total_weight,
+        # skipped, micro_batches, last_window_micro_batches, last_window_weight...
+        state = self.__dict__.get("state")
+        if state is not None and name in state.variables:
+            return state.variables[name]
+        raise AttributeError(f"'GradientAccumulator' object has no attribute {name!r}")
+
+    def state_variables(self) -> dict:
+        """Every variable of the state under its stable name."""
+        return self.state.named()
+
+    def state_dict(self) -> dict:
+        """The state as tensors by name, for `torch.save` beside the model's and the
+        optimizer's (a run restored in the middle of a window goes on exactly)."""
+        return {name: v.value.detach().clone() for name, v in self.state.variables.items()}
+
+    def load_state_dict(self, state_dict) -> None:
+        """Restores what `state_dict` returned (names and shapes must match)."""
+        variables = self.state.variables
+        missing = sorted(set(variables) - set(state_dict))
+        unknown = sorted(set(state_dict) - set(variables))
+        if missing or unknown:
+            raise ValueError(
+                "`state_dict` must hold this accumulator's state. Received: a state "
+                f"missing {missing} and with unknown entries {unknown}."
+            )
+        for name, variable in variables.items():
+            value = torch.as_tensor(state_dict[name])
+            if tuple(value.shape) != tuple(variable.shape):
+                raise ValueError(
+                    f"`state_dict` must hold entries of this accumulator's shapes. "
+                    f"Received: {name!r} of shape {tuple(value.shape)} for "
+                    f"{tuple(variable.shape)}."
+                )
+            with torch.no_grad():
+                variable.value.copy_(value.to(variable.value.device, variable.value.dtype))
+
+    def window_length(self):
+        """Micro-batches in the open window, skipped ones included."""
+        return tr.window_length(self._record())
+
+    def window_due(self):
+        """Whether the open window is due (a boolean tensor)."""
+        return tr.due(self.policy, self._record())
+
+    @contextlib.contextmanager
+    def no_sync(self, module):
+        """The context to run a micro-batch's forward and backward passes in:
+        `module.no_sync()` for a `DistributedDataParallel` module (gradaccum makes the
+        window's one all-reduce itself), nothing otherwise."""
+        if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+            with module.no_sync():
+                yield
+        else:
+            yield
+
+    # Accumulation ---------------------------------------------------------------------
+
+    def _record(self, optimizer=None, scaling=None):
+        return WindowRecord(self.state, 0, optimizer, self.target_variables,
+                            range(len(self.target_variables)), reduce=self._reducer,
+                            scaling=scaling)
+
+    def accumulate(self, gradients, weight=1.0, *, loss_scale_optimizer=None):
+        """Adds one micro-batch's gradients with its weight `w_i` (a scalar >= 0).
+        `loss_scale_optimizer`: the LossScaleOptimizer whose `scale_loss` scaled the
+        loss (the gradients are unscaled; a non-finite one is skipped). Returns
+        whether the micro-batch was accumulated (a boolean tensor)."""
+        return self._run(gradients, weight, weighted=False,
+                         loss_scale_optimizer=loss_scale_optimizer)
+
+    def accumulate_weighted(self, weighted_gradients, weight, *, loss_scale_optimizer=None):
+        """Adds gradients that carry their weight already (of `weight * loss`),
+        with `weight` to the total."""
+        return self._run(weighted_gradients, weight, weighted=True,
+                         loss_scale_optimizer=loss_scale_optimizer)
+
+    def step(self, optimizer, gradients, weight=1.0):
+        """Accumulates a micro-batch and applies when the window is due. Returns
+        whether this call made an update (a boolean tensor)."""
+        if self.steps is None and self.weight_per_update is None:
+            raise ValueError(
+                "`steps` or `weight_per_update` must be given to use `step()`. "
+                "Received: steps=None, weight_per_update=None. Pass one of them to "
+                "GradientAccumulator, or call `accumulate()` and `apply()` yourself."
+            )
+        check_optimizer(optimizer)
+        self._prepare(optimizer)
+        scaled = optimizer if kc.is_loss_scale_optimizer(optimizer) else None
+        record = self._record(optimizer)
+        self._run(gradients, weight, weighted=False, loss_scale_optimizer=scaled,
+                  record=record, closes=True)
+        return torch.as_tensor(truth(record.outcome.applied))
+
+    def _run(self, gradients, weight, *, weighted, loss_scale_optimizer=None, record=None,
+             closes=False):
+        gradients = self._checked(gradients)
+        weight = self._weight(weight)
+        growth = None
+        if loss_scale_optimizer is not None:
+            if not kc.is_loss_scale_optimizer(loss_scale_optimizer):
+                raise ValueError(
+                    "`loss_scale_optimizer` must be a keras.optimizers.LossScaleOptimizer. "
+                    f"Received: loss_scale_optimizer of type "
+                    f"{type(loss_scale_optimizer).__name__}"
+                )
+            if self._reducer is not None:
+                raise ValueError(
+                    "A GradientAccumulator summed over torch.distributed processes "
+                    "needs an optimizer without loss scaling (each process's scale "
+                    "would react to its own micro-batches). Received: a "
+                    "LossScaleOptimizer; use bfloat16 (mixed_bfloat16) or float32."
+                )
+            self._scaling = loss_scale_optimizer
+            self._prepare(loss_scale_optimizer)
+            growth = int(loss_scale_optimizer.dynamic_growth_steps)
+        if record is None:
+            record = self._record(scaling=loss_scale_optimizer)
+        with torch.no_grad():
+            accepted = tr.micro_batch(self.policy, record, gradients, weight,
+                                      weighted=weighted, loss_scale=growth, closes=closes)
+        if self.nonfinite == "skip" and loss_scale_optimizer is None and not truth(accepted):
+            if not self._warned_skip:
+                self._warned_skip = True
+                warn_skipped(1, stacklevel=4)
+        return accepted
+
+    def _checked(self, gradients) -> list:
+        gradients = list(gradients)
+        targets = self.target_variables
+        if len(gradients) != len(targets):
+            raise ValueError(
+                f"`gradients` must have one entry per variable ({len(targets)}). "
+                f"Received: {len(gradients)} gradients."
+            )
+        for i, (g, v) in enumerate(zip(gradients, targets)):
+            if g is not None and tuple(g.shape) != tuple(v.shape):
+                raise ValueError(
+                    f"Each gradient must have its variable's shape. Received: gradient "
+                    f"{i} of shape {tuple(g.shape)} for variable {v.path!r} of shape "
+                    f"{tuple(v.shape)}"
+                )
+        return [None if g is None else tensor(g) for g in gradients]
+
+    def _weight(self, weight):
+        value = tensor(weight).detach()
+        check_weight_value(value.cpu().numpy())
+        return value.reshape(()).float()
+
+    def _prepare(self, optimizer) -> None:
+        check_optimizer(optimizer)
+        if not optimizer.built:
+            optimizer.build(list(self.target_variables))
+
+    # The window's combination -------------------------------------------------------
+
+    def gradients(self) -> list:
+        """The open window's combined gradient, without resetting (`None` for a
+        variable that received no gradient in the window)."""
+        record = self._record()
+        combined = combine(record.sums(), record.get("total_weight"), self.reduction,
+                           record.dtypes())
+        received = record.get("received")
+        return [g if r > 0 else None for g, r in zip(combined, received)]
+
+    def reset(self) -> None:
+        """Empties the open window."""
+        tr.reset(self._record())
+
+    def apply(self, optimizer):
+        """Applies the open window (full or partial, normalized by its own weights)
+        and empties it; nothing with an empty window. Returns whether an update
+        happened (a boolean tensor)."""
+        return self.apply_if(optimizer, True)
+
+    def apply_if(self, optimizer, condition):
+        """Applies and empties the window when `condition` holds (the same on every
+        process under torch.distributed) and it holds a micro-batch."""
+        self._prepare(optimizer)
+        with torch.no_grad():
+            return tr.apply_now(self.policy, self._record(optimizer, self._scaling),
+                                torch.as_tensor(truth(condition)))
+
+    def drop(self):
+        """Discards the open window if it holds a micro-batch; returns whether it
+        did."""
+        return tr.drop(self._record())

@@ -1,0 +1,232 @@
+"""The state machine's window record on PyTorch: `keras.Variable`s read and written
+in place, and PyTorch's primitives for `gradaccum.core.transitions`.
+
+- Fields are the state's variables (`state.TorchState`), by name with the record's
+  prefix; a write copies into the variable's tensor (no new parameter).
+- The sums' add is in place (`add_`, with the factor folded in), skipped as a
+  whole for a micro-batch the screen refused.
+- Decisions are Python: the step runs eagerly (a `torch.compile`d step breaks its
+  graph there), so a window's close runs only when it closes, and an error raises
+  at once.
+- The non-finite screen is one fused reduction over every gradient
+  (`torch._foreach_norm`: a norm is finite only when every element is).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gradaccum import _keras_common as kc
+from gradaccum.backends.torch.state import window_prefix
+from gradaccum.core import transitions as tr
+from gradaccum.core.state import accumulator_name
+
+
+def tensor(value):
+    """`value` (a keras Variable, a tensor, a number) as a torch tensor."""
+    if hasattr(value, "value") and not isinstance(value, torch.Tensor):
+        value = value.value
+    if isinstance(value, torch.Tensor):
+        return value
+    return torch.as_tensor(value)
+
+
+def truth(value) -> bool:
+    """A boolean tensor (or Python bool) as a Python bool."""
+    if isinstance(value, bool):
+        return value
+    return bool(tensor(value))
+
+
+def all_finite(gradients):
+    """Whether every element of every gradient is finite: one fused reduction."""
+    present = [g for g in gradients if g is not None]
+    if not present:
+        return torch.tensor(True)
+    norms = torch._foreach_norm([g.detach().float() for g in present], ord=1)
+    return torch.isfinite(torch.stack(norms).sum())
+
+
+class FieldRecord(tr.Record):
+    """A record whose fields are a `TorchState`'s variables (`prefix` + name).
+
+    Args:
+        state: the `TorchState`.
+        prefix: the record's prefix (`window_prefix`; "" for the fit record).
+    """
+
+    def __init__(self, state, prefix: str = ""):
+        self.state = state
+        self.prefix = prefix
+        self.variables = state.variables
+
+    def _variable(self, name: str):
+        return self.variables[self.prefix + name]
+
+    def has(self, name: str) -> bool:
+        return (self.prefix + name) in self.variables
+
+    def get(self, name: str):
+        return self._variable(name).value.detach().clone()
+
+    def set(self, name: str, value) -> None:
+        target = self._variable(name).value
+        with torch.no_grad():
+            target.copy_(tensor(value).to(device=target.device, dtype=target.dtype)
+                         .reshape(target.shape))
+
+    def add(self, name: str, delta) -> None:
+        target = self._variable(name).value
+        with torch.no_grad():
+            target.add_(tensor(delta).to(device=target.device, dtype=target.dtype))
+
+    def cond(self, pred, true_fn, false_fn):
+        return true_fn() if truth(pred) else false_fn()
+
+    def fail(self, error, code: str, at, value=None) -> None:
+        """Raises at once (the step runs eagerly): a non-finite gradient as a
+        `FloatingPointError`, a weight or schedule as a `ValueError`."""
+        if not truth(error):
+            return
+        micro_batch = int(self.state.variables[self.prefix + "micro_batches"].value) + 1
+        message = tr.error_message(code, micro_batch, int(tensor(at)),
+                                   None if value is None else int(tensor(value)))
+        raise (FloatingPointError if code == "nonfinite" else ValueError)(message)
+
+
+class WindowRecord(FieldRecord):
+    """One optimizer's window over its share of the state's sums.
+
+    Args:
+        state: the `TorchState`.
+        index: the record's number (`window_prefix`).
+        optimizer: the optimizer that applies the window (None: accumulate only).
+        variables: the variables it updates, in order.
+        slots: where their sums sit among the state's accumulators.
+        noise: with privacy, `sums -> noised sums` for the window's update.
+        reduce: under `torch.distributed`, `(sums, weight) -> (sums, weight)` summed
+            over the processes (one all-reduce); None on one process.
+    """
+
+    def __init__(self, state, index, optimizer, variables, slots, noise=None, reduce=None,
+                 scaling=None):
+        super().__init__(state, window_prefix(index))
+        self.optimizer = optimizer
+        # The LossScaleOptimizer whose scale the gradients carry (the applying one
+        # where it is one).
+        self.scaling = (scaling if scaling is not None
+                        else optimizer if kc.is_loss_scale_optimizer(optimizer) else None)
+        self.targets = list(variables)
+        self.slots = list(slots)
+        self.noise = noise
+        self.reduce = reduce
+        self.outcome = None
+        self._global = None
+
+    # The sums -----------------------------------------------------------------------
+
+    def _sums(self):
+        return [self.variables[accumulator_name(i)].value for i in self.slots]
+
+    def sums(self) -> list:
+        if self._global is not None:
+            return self._global[0]
+        return self._sums()
+
+    def dtypes(self) -> list:
+        return [v.dtype for v in self.targets]
+
+    def add_sums(self, gradients, factor, accept) -> None:
+        if not truth(accept):
+            return
+        with torch.no_grad():
+            for total, gradient in zip(self._sums(), gradients):
+                if gradient is None:
+                    continue
+                gradient = tensor(gradient).detach().to(total.dtype)
+                if factor is None:
+                    total.add_(gradient)
+                else:
+                    total.add_(gradient, alpha=float(tensor(factor)))
+
+    def empty_sums(self) -> None:
+        with torch.no_grad():
+            for total in self._sums():
+                total.zero_()
+
+    def window_weight(self):
+        weight = self.get("total_weight")
+        if self.reduce is not None:
+            weight = self.reduce.scalar(weight)
+        return weight
+
+    def get(self, name: str):
+        if self._global is not None and name in ("total_weight", "received"):
+            return self._global[1][name]
+        return super().get(name)
+
+    # The close ----------------------------------------------------------------------
+
+    def close(self, apply, close, update, finish, empty_sums=True):
+        if not truth(close):
+            return torch.tensor(False)
+        if self.reduce is not None:
+            # One all-reduce: the window's sums, weight and received counts of every
+            # process; while the window closes they are the global window's.
+            sums, fields = self.reduce.window(
+                self._sums(), {name: super(WindowRecord, self).get(name)
+                               for name in ("total_weight", "received")})
+            self._global = (sums, fields)
+        try:
+            applied = truth(apply) and truth(self.holds())
+            if applied:
+                update()
+            finish(torch.tensor(applied))
+        finally:
+            self._global = None
+        if empty_sums:
+            self.empty_sums()
+        return torch.tensor(applied)
+
+    def holds(self):
+        if self._global is not None:
+            return self._global[1]["total_weight"] > 0
+        return super().holds()
+
+    def apply(self, gradients) -> None:
+        """One optimizer update with G; a variable the window gave no gradient is
+        left out, as Keras leaves out a `None` gradient."""
+        optimizer = self.optimizer
+        if kc.is_loss_scale_optimizer(optimizer):
+            # The accumulated gradients are unscaled and finite already.
+            optimizer = optimizer.inner_optimizer
+        received = self.get("received") if self.has("received") else None
+        pairs = []
+        for i, (gradient, variable) in enumerate(zip(gradients, self.targets)):
+            if gradient is None or (received is not None and not received[i] > 0):
+                continue
+            pairs.append((gradient, variable))
+        if not pairs:
+            return
+        with torch.no_grad():
+            # The class's own `apply`: a model's own step routes the instance's
+            # through its window (`own_step.Handover`).
+            type(optimizer).apply(optimizer, [g for g, _ in pairs], [v for _, v in pairs])
+
+    def all_finite(self, gradients):
+        return all_finite(gradients)
+
+    def noised(self, sums) -> list:
+        return sums if self.noise is None else self.noise(self, sums)
+
+    def loss_scale(self):
+        optimizer = self.scaling
+        if optimizer is None:
+            return None
+        return (tensor(optimizer.step_counter).detach().clone(),
+                tensor(optimizer.dynamic_scale).detach().clone())
+
+    def set_loss_scale(self, counter, scale) -> None:
+        optimizer = self.scaling
+        optimizer.step_counter.assign(counter)
+        optimizer.dynamic_scale.assign(scale)

@@ -1,0 +1,348 @@
+"""The training step on PyTorch: how gradients are computed, around the state machine.
+
+`TrainStep(accumulation)` is the model's `train_step(data)` while gradaccum
+accumulates for it, in Keras's torch pattern (the forward pass, `compute_loss`,
+`loss.backward()`, the parameters' `.grad`). What a micro-batch does to its window
+(open, screen, admit, decide, close) is `gradaccum.core.transitions`; this module
+computes what they take:
+
+- Keras's default step: the model's own loss (the compiled loss recording its
+  normalizers), differentiated weighted by the micro-batch's weight (or scaled,
+  under a `LossScaleOptimizer`);
+- a model's own `train_step` runs as written, each optimizer call through its
+  window (`own_step.py`);
+- split mode (`micro_batch_size`): the batch cut into micro-batches, each
+  differentiated and admitted, the window applied once; `"auto"` halves the size
+  after torch's out-of-memory error;
+- DP-SGD (`gradaccum.Privacy`): each example's gradient clipped (`privacy.py`).
+
+A micro-batch skipped for a non-finite gradient leaves the model as it found it:
+the metrics, and the non-trainable variables its forward pass moved.
+"""
+
+from __future__ import annotations
+
+import keras
+import torch
+
+from gradaccum import _keras_common as kc
+from gradaccum._validation import check_batch_dimensions
+from gradaccum.backends.torch import own_step as _own_step
+from gradaccum.backends.torch.record import FieldRecord, WindowRecord, tensor, truth
+from gradaccum.core import transitions as tr
+
+# What torch's allocators say when memory runs out (CUDA's error is
+# torch.OutOfMemoryError; the CPU allocator raises a RuntimeError).
+OUT_OF_MEMORY = ("out of memory", "can't allocate memory")
+
+
+def snapshot(variables) -> list:
+    """The variables' values, copied."""
+    return [v.value.detach().clone() for v in variables]
+
+
+def restore(variables, values) -> None:
+    """Puts back what `snapshot` copied."""
+    with torch.no_grad():
+        for variable, value in zip(variables, values):
+            variable.value.copy_(value)
+
+
+def is_out_of_memory(error) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and any(w in str(error) for w in OUT_OF_MEMORY))
+
+
+class TrainStep:
+    """The training step of a model gradaccum accumulates for on PyTorch.
+
+    Args:
+        accumulation: the model's `fit.Accumulation` (its host, options, state).
+    """
+
+    def __init__(self, accumulation):
+        self.accumulation = accumulation
+        self.model = accumulation.host
+        self.options = accumulation.options
+        self.policy = accumulation.policy
+        self.state = accumulation.state
+        self.normalizers = accumulation.normalizers
+        self.follower = accumulation.follower
+        model = self.model
+        self.variables = list(model.trainable_variables)
+        self.loss_scaled = kc.is_loss_scale_optimizer(model.optimizer)
+        self.growth_steps = (int(model.optimizer.dynamic_growth_steps)
+                             if self.loss_scaled else None)
+        # A window of one micro-batch in Keras's step: its gradients go to the
+        # update as they are (no pass through the sums).
+        self.direct = (accumulation.own_train_step is None and not self.options.split
+                       and not self.loss_scaled and self.options.window.constant == 1
+                       and self.options.privacy is None)
+        self.warned_no_compiled_loss = False
+        # A model's own step: the window record of each optimizer it applies, by
+        # the optimizer's place among the model's (`kc.named_optimizers`).
+        self.appliers = {}
+
+    # Records ----------------------------------------------------------------------
+
+    def fit_record(self) -> FieldRecord:
+        return FieldRecord(self.state)
+
+    def record(self, index: int = 0, optimizer=None, variables=None) -> WindowRecord:
+        """Window record `index`, applied by `optimizer` to `variables` (the
+        model's optimizer and trainable variables by default)."""
+        optimizer = self.model.optimizer if optimizer is None else optimizer
+        variables = self.variables if variables is None else list(variables)
+        place = {id(v): i for i, v in enumerate(self.variables)}
+        slots = [place[id(v)] for v in variables]
+        return WindowRecord(self.state, index, optimizer, variables, slots,
+                            noise=self.accumulation.noise())
+
+    # The step ---------------------------------------------------------------------
+
+    def __call__(self, data):
+        fit = self.fit_record()
+        if self.accumulation.resumable and truth(fit.get("resume_skip") > 0):
+            # Restored inside an epoch (BackupAndRestore): a batch trained on
+            # before the restore moves nothing but the epoch's position.
+            fit.add("resume_skip", -1)
+            fit.add("epoch_step", 1)
+            return dict(self.model.get_metrics_result(), **self.counters())
+        if self.options.split:
+            logs = self.split_batch(data)
+        elif self.accumulation.own_train_step is not None:
+            logs = _own_step.run(self, data)
+        else:
+            logs = self.micro_batch(data)
+        return dict(logs, **self.counters())
+
+    def micro_batch(self, data):
+        """`steps` mode with Keras's step: the batch is one micro-batch of the open
+        window, which it may close."""
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        fit = self.fit_record()
+        fit.add("epoch_step", 1)
+        record = self.record()
+        model = self.model
+        tracks = tr.tracks_skips(self.policy, self.loss_scaled)
+        entry_metrics = snapshot(model.metrics_variables) if tracks else None
+        entry_state = snapshot(model.non_trainable_variables) if tracks else None
+        start = self.moving_start()
+        loss, y_pred, weight, gradients, normalizers, weighted = self.gradients(
+            record, x, y, sample_weight)
+        tr.track_terms(fit, record, normalizers)
+        with torch.no_grad():
+            accepted = tr.micro_batch(
+                self.policy, record, gradients, weight, weighted=weighted,
+                loss_scale=self.growth_steps, end=tr.end_of_data(fit), fit=fit,
+                direct=self.direct,
+            )
+        accepted = truth(accepted)
+        if not accepted and entry_state is not None:
+            restore(model.non_trainable_variables, entry_state)
+        self.follow(start, record.outcome)
+        kc.loss_tracker(model).update_state(
+            loss.detach(), sample_weight=tr.logged_weight(self.policy, x, weight))
+        logs = model.compute_metrics(x, y, y_pred, sample_weight)
+        if tracks and not accepted:
+            # A skipped micro-batch leaves the loss tracker and the metrics: the
+            # logs (History, TerminateOnNaN) are the used micro-batches'.
+            restore(model.metrics_variables, entry_metrics)
+            logs = model.get_metrics_result()
+        return logs
+
+    def gradients(self, record, x, y, sample_weight):
+        """One micro-batch's loss and gradients through the model's own loss
+        computation (`loss.backward()` into the parameters' `.grad`). Returns the
+        unscaled loss, the predictions, the micro-batch's weight, the gradients, the
+        normalizers the compiled loss recorded and whether the gradients carry the
+        weight."""
+        model = self.model
+        policy = self.policy
+        if self.options.privacy is not None:
+            from gradaccum.backends.torch import privacy
+
+            return privacy.clipped_micro_batch(self, x, y, sample_weight)
+        known = None
+        if policy.weighting != "exact":
+            known = tr.weigh(policy, x, y, sample_weight, [], record)
+        with self.follower.observing():
+            if kc.call_has_training_arg(model):
+                y_pred = model(x, training=True)
+            else:
+                y_pred = model(x)
+        model.zero_grad()
+        self.normalizers.take()
+        loss = kc.compute_loss(model, x, y, y_pred, sample_weight)
+        normalizers = [n.detach() if isinstance(n, torch.Tensor) else n
+                       for n in self.normalizers.take()]
+        weight = known
+        if weight is None:
+            weight = tr.weigh(policy, x, y, sample_weight, normalizers, record,
+                              warn=self._warn_once())
+        weight = tensor(weight).detach().float()
+        # Under loss scaling the weight comes with the unscaling instead, so the
+        # scaled loss is the one Keras scales (no extra overflows).
+        weighted = policy.mean and not self.loss_scaled and not self.direct
+        objective = loss * weight.to(loss.dtype) if weighted else loss
+        if self.loss_scaled:
+            objective = model.optimizer.scale_loss(objective)
+        objective.backward()
+        gradients = [v.value.grad for v in self.variables]
+        return loss, y_pred, weight, gradients, normalizers, weighted
+
+    def _warn_once(self) -> bool:
+        if self.warned_no_compiled_loss:
+            return False
+        self.warned_no_compiled_loss = True
+        return True
+
+    # Split mode --------------------------------------------------------------------
+
+    def split_batch(self, data):
+        """Split mode: the batch is the window, cut into micro-batches (of the
+        option's size, or the size `"auto"` tries, smaller after running out of
+        memory), each admitted, the window applied once."""
+        search = self.accumulation.auto_size
+        batch = batch_size(data)
+        if search is None:
+            return self.split_run(data, batch, self.options.micro_batch_size)
+        model = self.model
+        entry = (snapshot(self.state.variables.values()), snapshot(model.metrics_variables),
+                 snapshot(model.non_trainable_variables))
+        while True:
+            size = min(search.size_for(batch), batch)
+            try:
+                logs = self.split_run(data, batch, size)
+            except Exception as error:
+                if not is_out_of_memory(error):
+                    raise
+                # Nothing of the failed try is kept: the window starts again.
+                restore(list(self.state.variables.values()), entry[0])
+                restore(model.metrics_variables, entry[1])
+                restore(model.non_trainable_variables, entry[2])
+                model.zero_grad()
+                if size <= 1:
+                    error.add_note("gradaccum: micro_batch_size='auto' ran out of memory "
+                                   "with micro-batches of 1 sample.")
+                    raise
+                search.failed(size)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                continue
+            search.ran(size)
+            self.accumulation.size_chosen()
+            return dict(logs, micro_batch_size=float(search.chosen))
+
+    def split_run(self, data, batch: int, size: int):
+        model = self.model
+        fit = self.fit_record()
+        record = self.record()
+        tracks = tr.tracks_skips(self.policy, self.loss_scaled)
+        skipped_before = int(record.get("skipped"))
+        weighted_loss, weights = 0.0, 0.0
+        for start in range(0, batch, size):
+            micro = keras.tree.map_structure(
+                lambda t, s=start: None if t is None else t[s:s + size], data)
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(micro)
+            entry_metrics = snapshot(model.metrics_variables) if tracks else None
+            entry_state = snapshot(model.non_trainable_variables) if tracks else None
+            moving = self.moving_start()
+            loss, y_pred, weight, gradients, normalizers, weighted = self.gradients(
+                record, x, y, sample_weight)
+            tr.track_terms(fit, record, normalizers)
+            with torch.no_grad():
+                accepted = truth(tr.micro_batch(
+                    self.policy, record, gradients, weight, weighted=weighted,
+                    loss_scale=self.growth_steps, grows=False, closes=False))
+            if not accepted and entry_state is not None:
+                restore(model.non_trainable_variables, entry_state)
+            self.follow(moving, tr.Outcome(accepted, False, False))
+            model.compute_metrics(x, y, y_pred, sample_weight)
+            if tracks and not accepted:
+                restore(model.metrics_variables, entry_metrics)
+                continue
+            # The batch's loss weighs each micro-batch as the loss tracker would.
+            logged = float(tr.logged_weight(self.policy, x, weight))
+            weighted_loss += float(loss.detach()) * logged
+            weights += logged
+        fit.add("epoch_step", 1)
+        if self.loss_scaled:
+            # One finite step of the scale's count per batch, as Keras counts them,
+            # when no micro-batch of the batch overflowed.
+            counter, scale = record.loss_scale()
+            if int(record.get("skipped")) == skipped_before:
+                counter, scale = tr.grown_by(counter, scale, 1, self.growth_steps)
+                record.set_loss_scale(counter, scale)
+        with torch.no_grad():
+            applied = tr.apply_now(self.policy, record, True, fit=fit)
+        self.follow(None, tr.Outcome(False, applied, True))
+        # The batch's loss, logged as Keras logs a step's on the whole batch.
+        if weights > 0 or not tracks:
+            loss = weighted_loss / weights if weights > 0 else 0.0
+            kc.loss_tracker(model).update_state(loss, sample_weight=batch)
+        return model.get_metrics_result()
+
+    # Pieces -------------------------------------------------------------------------
+
+    def moving_start(self):
+        """The followed layers' moving statistics before a forward pass."""
+        if not self.follower:
+            return None
+        return [(mean.value.detach().clone(), variance.value.detach().clone())
+                for mean, variance in self.follower.moving()]
+
+    def follow(self, start, outcome) -> None:
+        """The followed layers after a micro-batch (`start`: their moving statistics
+        before it; None: a window closed outside one): `core.moving_statistics`."""
+        follower = self.follower
+        if not follower:
+            return
+        named = self.state.variables
+        moving = follower.moving()
+        moved = None
+        if start is not None:
+            moved = [(mean.value.detach().clone(), variance.value.detach().clone())
+                     for mean, variance in moving]
+        else:
+            start = [(mean.value.detach().clone(), variance.value.detach().clone())
+                     for mean, variance in moving]
+        with torch.no_grad():
+            statistics, values = follower.step(
+                {name: named[name].value.detach().clone() for name in follower.names()},
+                start, moved, *outcome)
+            for name, value in statistics.items():
+                named[name].value.copy_(tensor(value))
+            for (mean, variance), (new_mean, new_variance) in zip(moving, values):
+                mean.value.copy_(tensor(new_mean))
+                variance.value.copy_(tensor(new_variance))
+
+    def counters(self) -> dict:
+        """`updates`, `window_micro_batches`, `window_weight` and `skipped` of the
+        window of the optimizer `updates` counts."""
+        if self.appliers:
+            index = min(self.appliers)
+            optimizer = self.appliers[index][0]
+        else:
+            index, optimizer = 0, self.model.optimizer
+        record = self.record(index, optimizer, ())
+        skipped = None
+        if tr.skips_possible(self.policy, self.loss_scaled):
+            indices = sorted(self.appliers) or [0]
+            skipped = max(int(self.record(j, optimizer, ()).get("skipped"))
+                          for j in indices)
+        return {name: float(value) for name, value in
+                tr.counters(record, tensor(optimizer.iterations), skipped).items()}
+
+
+def batch_size(data) -> int:
+    """The number of samples in a batch to split: the first dimension its arrays
+    agree on."""
+    leaves = [t for t in keras.tree.flatten(data) if t is not None]
+    if not leaves or any(len(t.shape) == 0 for t in leaves):
+        raise ValueError(
+            "A batch to split into micro-batches must hold arrays with a batch "
+            f"dimension. Received: arrays of shapes {[tuple(t.shape) for t in leaves]}"
+        )
+    check_batch_dimensions([t.shape[0] for t in leaves], [t.shape for t in leaves])
+    return int(leaves[0].shape[0])
