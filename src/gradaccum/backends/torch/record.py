@@ -31,6 +31,7 @@ def tensor(value):
     return torch.as_tensor(value)
 
 
+@torch.compiler.disable
 def truth(value) -> bool:
     """A boolean tensor (or Python bool) as a Python bool."""
     if isinstance(value, bool):

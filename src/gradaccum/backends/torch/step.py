@@ -36,11 +36,27 @@ from gradaccum.core import transitions as tr
 OUT_OF_MEMORY = ("out of memory", "can't allocate memory")
 
 
+def eager(fn):
+    """`fn` run outside `torch.compile`'s graphs (`jit_compile=True`): the state
+    machine's decisions are Python, and a traced step would break its graph at
+    each; the model's forward and backward passes are what compiles."""
+    return torch.compiler.disable(fn, recursive=True)
+
+
+# The state machine's transitions the step calls, run eagerly.
+micro_batch_transitions = eager(tr.micro_batch)
+apply_now = eager(tr.apply_now)
+track_terms = eager(tr.track_terms)
+weigh = eager(tr.weigh)
+
+
+@eager
 def snapshot(variables) -> list:
     """The variables' values, copied."""
     return [v.value.detach().clone() for v in variables]
 
 
+@eager
 def restore(variables, values) -> None:
     """Puts back what `snapshot` copied."""
     with torch.no_grad():
@@ -100,6 +116,7 @@ class TrainStep:
 
     # The step ---------------------------------------------------------------------
 
+    @torch.compiler.disable(recursive=False)
     def __call__(self, data):
         fit = self.fit_record()
         if self.accumulation.resumable and truth(fit.get("resume_skip") > 0):
@@ -116,6 +133,7 @@ class TrainStep:
             logs = self.micro_batch(data)
         return dict(logs, **self.counters())
 
+    @torch.compiler.disable(recursive=False)
     def micro_batch(self, data):
         """`steps` mode with Keras's step: the batch is one micro-batch of the open
         window, which it may close."""
@@ -130,9 +148,9 @@ class TrainStep:
         start = self.moving_start()
         loss, y_pred, weight, gradients, normalizers, weighted = self.gradients(
             record, x, y, sample_weight)
-        tr.track_terms(fit, record, normalizers)
+        track_terms(fit, record, normalizers)
         with torch.no_grad():
-            accepted = tr.micro_batch(
+            accepted = micro_batch_transitions(
                 self.policy, record, gradients, weight, weighted=weighted,
                 loss_scale=self.growth_steps, end=tr.end_of_data(fit), fit=fit,
                 direct=self.direct,
@@ -151,6 +169,7 @@ class TrainStep:
             logs = model.get_metrics_result()
         return logs
 
+    @torch.compiler.disable(recursive=False)
     def gradients(self, record, x, y, sample_weight):
         """One micro-batch's loss and gradients through the model's own loss
         computation (`loss.backward()` into the parameters' `.grad`). Returns the
@@ -165,7 +184,7 @@ class TrainStep:
             return privacy.clipped_micro_batch(self, x, y, sample_weight)
         known = None
         if policy.weighting != "exact":
-            known = tr.weigh(policy, x, y, sample_weight, [], record)
+            known = weigh(policy, x, y, sample_weight, [], record)
         with self.follower.observing():
             if kc.call_has_training_arg(model):
                 y_pred = model(x, training=True)
@@ -178,7 +197,7 @@ class TrainStep:
                        for n in self.normalizers.take()]
         weight = known
         if weight is None:
-            weight = tr.weigh(policy, x, y, sample_weight, normalizers, record,
+            weight = weigh(policy, x, y, sample_weight, normalizers, record,
                               warn=self._warn_once())
         weight = tensor(weight).detach().float()
         # Under loss scaling the weight comes with the unscaling instead, so the
@@ -234,6 +253,7 @@ class TrainStep:
             self.accumulation.size_chosen()
             return dict(logs, micro_batch_size=float(search.chosen))
 
+    @torch.compiler.disable(recursive=False)
     def split_run(self, data, batch: int, size: int):
         model = self.model
         fit = self.fit_record()
@@ -250,9 +270,9 @@ class TrainStep:
             moving = self.moving_start()
             loss, y_pred, weight, gradients, normalizers, weighted = self.gradients(
                 record, x, y, sample_weight)
-            tr.track_terms(fit, record, normalizers)
+            track_terms(fit, record, normalizers)
             with torch.no_grad():
-                accepted = truth(tr.micro_batch(
+                accepted = truth(micro_batch_transitions(
                     self.policy, record, gradients, weight, weighted=weighted,
                     loss_scale=self.growth_steps, grows=False, closes=False))
             if not accepted and entry_state is not None:
@@ -275,7 +295,7 @@ class TrainStep:
                 counter, scale = tr.grown_by(counter, scale, 1, self.growth_steps)
                 record.set_loss_scale(counter, scale)
         with torch.no_grad():
-            applied = tr.apply_now(self.policy, record, True, fit=fit)
+            applied = apply_now(self.policy, record, True, fit=fit)
         self.follow(None, tr.Outcome(False, applied, True))
         # The batch's loss, logged as Keras logs a step's on the whole batch.
         if weights > 0 or not tracks:
@@ -285,6 +305,7 @@ class TrainStep:
 
     # Pieces -------------------------------------------------------------------------
 
+    @eager
     def moving_start(self):
         """The followed layers' moving statistics before a forward pass."""
         if not self.follower:
@@ -292,6 +313,7 @@ class TrainStep:
         return [(mean.value.detach().clone(), variance.value.detach().clone())
                 for mean, variance in self.follower.moving()]
 
+    @eager
     def follow(self, start, outcome) -> None:
         """The followed layers after a micro-batch (`start`: their moving statistics
         before it; None: a window closed outside one): `core.moving_statistics`."""
@@ -317,6 +339,7 @@ class TrainStep:
                 mean.value.copy_(tensor(new_mean))
                 variance.value.copy_(tensor(new_variance))
 
+    @eager
     def counters(self) -> dict:
         """`updates`, `window_micro_batches`, `window_weight` and `skipped` of the
         window of the optimizer `updates` counts."""
