@@ -30,7 +30,7 @@ def two_replicas():
     )
 
 
-def under_another_backend(backend="torch"):
+def under_another_backend(backend="numpy"):
     """The first use of a public name while Keras reports `backend`. (A child process
     with KERAS_BACKEND set would need that backend's package installed.)"""
     cached = gradaccum.__dict__.pop("accumulate", None)

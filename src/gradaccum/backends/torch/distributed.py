@@ -23,10 +23,15 @@ def default_group(process_group="auto"):
         return None
     import torch.distributed as dist
 
-    if process_group == "auto":
+    if isinstance(process_group, str) and process_group == "auto":
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
             return None
         return dist.group.WORLD
+    if not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
+        raise ValueError(
+            '`process_group` must be "auto", None or a torch.distributed ProcessGroup. '
+            f"Received: process_group={process_group!r}"
+        )
     return process_group
 
 

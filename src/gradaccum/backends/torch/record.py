@@ -123,6 +123,12 @@ class WindowRecord(FieldRecord):
         self.reduce = reduce
         self.outcome = None
         self._global = None
+        # Where the per-variable fields (`received`) hold this record's variables:
+        # None where they are all of them, in order.
+        size = (int(self.variables[self.prefix + "received"].shape[0])
+                if self.has("received") else len(self.slots))
+        self._share = (None if self.slots == list(range(size))
+                       else torch.as_tensor(self.slots, dtype=torch.long))
 
     # The sums -----------------------------------------------------------------------
 
@@ -163,8 +169,23 @@ class WindowRecord(FieldRecord):
 
     def get(self, name: str):
         if self._global is not None and name in ("total_weight", "received"):
-            return self._global[1][name]
-        return super().get(name)
+            value = self._global[1][name]
+        else:
+            value = super().get(name)
+        if name == "received" and self._share is not None:
+            value = value[self._share]
+        return value
+
+    def set(self, name: str, value) -> None:
+        if name == "received" and self._share is not None:
+            # The record's share of the per-variable counts (its variables' slots;
+            # a model's own step's optimizers each update a part of the model).
+            target = self._variable(name).value
+            with torch.no_grad():
+                target[self._share] = tensor(value).to(device=target.device,
+                                                       dtype=target.dtype)
+            return
+        super().set(name, value)
 
     # The close ----------------------------------------------------------------------
 

@@ -46,6 +46,7 @@ def eager(fn):
 # The state machine's transitions the step calls, run eagerly.
 micro_batch_transitions = eager(tr.micro_batch)
 apply_now = eager(tr.apply_now)
+drop = eager(tr.drop)
 track_terms = eager(tr.track_terms)
 weigh = eager(tr.weigh)
 
@@ -62,6 +63,17 @@ def restore(variables, values) -> None:
     with torch.no_grad():
         for variable, value in zip(variables, values):
             variable.value.copy_(value)
+
+
+def clear_gradients(model, variables) -> None:
+    """Empties `.grad` before a backward pass: the module's parameters (Keras's
+    `zero_grad`) and each trained variable's tensor itself. A variable whose tensor
+    Keras replaced after the model tracked it (LoRA enabled after building, a
+    KerasHub task's weights set) is not among the module's parameters, and
+    `zero_grad` would leave its last gradient to add up with the next."""
+    model.zero_grad()
+    for variable in variables:
+        variable.value.grad = None
 
 
 def is_out_of_memory(error) -> bool:
@@ -190,7 +202,7 @@ class TrainStep:
                 y_pred = model(x, training=True)
             else:
                 y_pred = model(x)
-        model.zero_grad()
+        clear_gradients(model, self.variables)
         self.normalizers.take()
         loss = kc.compute_loss(model, x, y, y_pred, sample_weight)
         normalizers = [n.detach() if isinstance(n, torch.Tensor) else n
@@ -225,22 +237,37 @@ class TrainStep:
         search = self.accumulation.auto_size
         batch = batch_size(data)
         if search is None:
-            return self.split_run(data, batch, self.options.micro_batch_size)
+            try:
+                return self.split_run(data, batch, self.options.micro_batch_size)
+            except BaseException:
+                # A batch that raised (nonfinite="raise", an interrupt) leaves no
+                # half-filled window behind: the next batch's starts empty.
+                with torch.no_grad():
+                    drop(self.record())
+                raise
         model = self.model
         entry = (snapshot(self.state.variables.values()), snapshot(model.metrics_variables),
                  snapshot(model.non_trainable_variables))
         while True:
             size = min(search.size_for(batch), batch)
+            self.applying = False
             try:
                 logs = self.split_run(data, batch, size)
-            except Exception as error:
-                if not is_out_of_memory(error):
-                    raise
-                # Nothing of the failed try is kept: the window starts again.
+            except BaseException as error:
+                # Nothing of the failed try is kept: the window starts again (and a
+                # batch that raised leaves no half-filled window behind).
                 restore(list(self.state.variables.values()), entry[0])
                 restore(model.metrics_variables, entry[1])
                 restore(model.non_trainable_variables, entry[2])
-                model.zero_grad()
+                clear_gradients(model, self.variables)
+                if not is_out_of_memory(error):
+                    raise
+                if self.applying:
+                    error.add_note(
+                        "gradaccum: micro_batch_size='auto' cannot retry this batch: "
+                        "memory ran out while the optimizer applied the update, "
+                        "which a smaller micro-batch does not change.")
+                    raise
                 if size <= 1:
                     error.add_note("gradaccum: micro_batch_size='auto' ran out of memory "
                                    "with micro-batches of 1 sample.")
@@ -294,6 +321,8 @@ class TrainStep:
             if int(record.get("skipped")) == skipped_before:
                 counter, scale = tr.grown_by(counter, scale, 1, self.growth_steps)
                 record.set_loss_scale(counter, scale)
+        # (An out-of-memory error from here on is the update's: "auto" cannot retry it.)
+        self.applying = True
         with torch.no_grad():
             applied = apply_now(self.policy, record, True, fit=fit)
         self.follow(None, tr.Outcome(False, applied, True))
