@@ -94,8 +94,8 @@ class Findings(NamedTuple):
                 f"batch ({names}): where a later call's gradients depend on variables an "
                 "earlier call updates (a GAN's generator through its discriminator), the "
                 "large batch takes them after that update and accumulation at the "
-                "weights the window started from. On JAX gradaccum cannot tell whether "
-                "they do.")))
+                "weights the window started from. On JAX and PyTorch gradaccum cannot "
+                "tell whether they do.")))
         return causes
 
 

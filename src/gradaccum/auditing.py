@@ -383,7 +383,7 @@ def _added_loss_terms(model, window, micro_batches, sizes):
         found = []
         for layer in kc.flatten_layers(model):
             for loss in getattr(layer, "_losses", []):
-                found.append((layer, float(np.asarray(loss))))
+                found.append((layer, float(keras.ops.convert_to_numpy(loss))))
         return found
 
     try:

@@ -112,7 +112,9 @@ def run_once(
         optimizer=build_optimizer(optimizer, learning_rate),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
-        steps_per_execution=min(per_chunk, steps_per_execution),
+        # (Keras's torch trainer runs one batch per call.)
+        steps_per_execution=(1 if keras.backend.backend() == "torch"
+                             else min(per_chunk, steps_per_execution)),
         jit_compile=jit_compile,
     )
     train = (
