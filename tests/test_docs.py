@@ -1,6 +1,7 @@
 """The README's code runs as written: here the blocks for Keras's TensorFlow backend;
-the blocks that choose JAX (`os.environ["KERAS_BACKEND"] = "jax"`) run in the JAX
-process (tests/jax_backend/test_jax_docs.py)."""
+the blocks that choose JAX or PyTorch (`os.environ["KERAS_BACKEND"] = "jax"`) run in
+that backend's process (tests/jax_backend/test_jax_docs.py,
+tests/torch_backend/test_torch_docs.py)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,19 @@ import re
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-JAX = 'os.environ["KERAS_BACKEND"] = "jax"'
 
 
-def python_blocks(path, *, jax: bool = False):
+def chosen_backend(block: str) -> str:
+    """The backend a README block chooses (`os.environ["KERAS_BACKEND"] = ...`),
+    TensorFlow where it chooses none."""
+    found = re.search(r'os\.environ\["KERAS_BACKEND"\] = "(\w+)"', block)
+    return found.group(1) if found else "tensorflow"
+
+
+def python_blocks(path, *, backend: str = "tensorflow"):
     text = path.read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    return [block for block in blocks if (JAX in block) == jax]
+    return [block for block in blocks if chosen_backend(block) == backend]
 
 
 @pytest.mark.parametrize("index", range(len(python_blocks(ROOT / "README.md"))))
@@ -25,6 +32,7 @@ def test_readme_python_block_runs(index):
     exec(compile(code, f"README.md block {index}", "exec"), {"__name__": "readme"})
 
 
-def test_the_readme_has_blocks_for_both_backends():
+def test_the_readme_has_blocks_for_every_backend():
     assert len(python_blocks(ROOT / "README.md")) >= 5
-    assert len(python_blocks(ROOT / "README.md", jax=True)) >= 1
+    assert len(python_blocks(ROOT / "README.md", backend="jax")) >= 1
+    assert len(python_blocks(ROOT / "README.md", backend="torch")) >= 2

@@ -10,7 +10,7 @@ import pytest
 
 from test_docs import ROOT, python_blocks
 
-BLOCKS = python_blocks(ROOT / "README.md", jax=True)
+BLOCKS = python_blocks(ROOT / "README.md", backend="jax")
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))

@@ -246,7 +246,13 @@ class TrainStep:
                     drop(self.record())
                 raise
         model = self.model
-        entry = (snapshot(self.state.variables.values()), snapshot(model.metrics_variables),
+        # What a try changes before its update: the state, the metrics, the
+        # non-trainable variables and a LossScaleOptimizer's scale (an overflowing
+        # micro-batch backs it off).
+        kept = list(self.state.variables.values())
+        if self.loss_scaled:
+            kept += [model.optimizer.step_counter, model.optimizer.dynamic_scale]
+        entry = (snapshot(kept), snapshot(model.metrics_variables),
                  snapshot(model.non_trainable_variables))
         while True:
             size = min(search.size_for(batch), batch)
@@ -256,7 +262,7 @@ class TrainStep:
             except BaseException as error:
                 # Nothing of the failed try is kept: the window starts again (and a
                 # batch that raised leaves no half-filled window behind).
-                restore(list(self.state.variables.values()), entry[0])
+                restore(kept, entry[0])
                 restore(model.metrics_variables, entry[1])
                 restore(model.non_trainable_variables, entry[2])
                 clear_gradients(model, self.variables)
