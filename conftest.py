@@ -38,8 +38,8 @@ def pytest_ignore_collect(collection_path, config):
 
 def pytest_configure(config):
     """Two logical CPU devices for the tf.distribute tests, before TensorFlow starts
-    (not in the JAX process: KERAS_BACKEND=jax, tests/jax_backend)."""
-    if os.environ.get("KERAS_BACKEND") == "jax":
+    (not in the JAX and PyTorch processes: tests/jax_backend, tests/torch_backend)."""
+    if os.environ.get("KERAS_BACKEND", "tensorflow") != "tensorflow":
         return
     import tensorflow as tf
 

@@ -140,6 +140,33 @@ FEATURES = {
     "JAX: privacy, per-example clipping":
         "jax_backend/test_jax_privacy.py::"
         "test_without_noise_the_update_is_the_mean_of_per_example_clipped_gradients",
+    # The PyTorch suite (tests/torch_backend, its own process with KERAS_BACKEND=torch).
+    "PyTorch: GradientAccumulator in a custom loop":
+        "torch_backend/test_torch_accumulator.py::"
+        "test_unequal_micro_batches_and_a_partial_window_equal_one_large_batch_each",
+    "PyTorch: a model's own train_step in the torch pattern":
+        "torch_backend/test_torch_own_step.py::"
+        "test_the_guides_step_equals_the_class_trained_on_the_windows",
+    "PyTorch: a GAN's two optimizers":
+        "torch_backend/test_torch_own_step.py::"
+        "test_a_gan_s_two_optimizers_each_update_once_per_window",
+    "PyTorch: split mode":
+        "torch_backend/test_torch_split.py::"
+        "test_batches_of_40_split_equal_plain_fit_at_40_with_adam_for_3_epochs",
+    'PyTorch: micro_batch_size="auto" after torch\'s out-of-memory error':
+        "torch_backend/test_torch_split.py::"
+        "test_a_failed_try_leaves_every_value_as_a_run_that_never_failed",
+    "PyTorch: mixed precision, a LossScaleOptimizer":
+        "torch_backend/test_torch_mixed_precision.py::"
+        "test_mixed_float16_with_loss_scaling_equals_the_windows",
+    "PyTorch: wrap":
+        "torch_backend/test_torch_wrap_audit.py::test_wrap_equals_plain_keras_on_the_windows",
+    "PyTorch: gradaccum.audit":
+        "torch_backend/test_torch_wrap_audit.py::"
+        "test_audit_of_an_own_torch_step_is_exact_and_leaves_the_model_as_it_was",
+    "PyTorch: privacy, per-example clipping with torch.func":
+        "torch_backend/test_torch_privacy.py::"
+        "test_without_noise_the_update_is_the_mean_of_per_example_clipped_gradients",
     "JAX: keras.distribution DataParallel and ModelParallel (2 devices, a child process)":
         "jax_backend/test_jax_distribution.py::"
         "test_data_and_model_parallel_on_two_devices_equal_one_device",
@@ -185,8 +212,18 @@ SLOW = [
     "jax_backend/test_jax_privacy.py::test_the_noise_of_an_update_has_standard_deviation_sigma_c_over_b",
     "jax_backend/test_jax_privacy.py::"
     "test_split_mode_equals_steps_and_the_accountant_is_dp_accountings",
-    # KerasHub tasks on JAX (about a minute each on 2 cores).
+    # KerasHub tasks on JAX (about a minute each on 2 cores), and on PyTorch.
     "jax_backend/test_jax_hub.py",
+    "torch_backend/test_torch_hub.py",
+    # PyTorch: two gloo processes under DDP (a module fixture starts them once), and
+    # torch.compile (10-20 s a case).
+    "torch_backend/test_torch_ddp.py::test_layout_gives_ranks_unequal_shares",
+    "torch_backend/test_torch_ddp.py::"
+    "test_no_sync_steps_trains_as_one_process_on_the_global_windows",
+    "torch_backend/test_torch_ddp.py::test_no_sync_weight_budget_closes_on_the_global_weight",
+    "torch_backend/test_torch_ddp.py::"
+    "test_builtin_ddp_accumulation_all_reduces_every_micro_batch",
+    "torch_backend/test_torch_mixed_precision.py::test_jit_compile_equals_the_eager_run",
     # gradaccum.audit's other causes and restorations (the fast tier keeps FEATURES'
     # audit rows and the bad inputs), on both backends.
     "test_audit.py::test_uniform_weighting_with_unequal_normalizers_is_named",
@@ -381,6 +418,7 @@ HUB = [
     "jax_backend/test_jax_audit.py::test_a_keras_hub_task_on_strings_is_exact",
     "test_accumulate_hub.py",
     "jax_backend/test_jax_hub.py",
+    "torch_backend/test_torch_hub.py",
 ]
 
 MULTI_DEVICE = [
@@ -401,6 +439,12 @@ SUBPROCESS = [
     "contract/test_kill_during_save.py",
     "jax_backend/test_jax_processes.py",
     "jax_backend/test_jax_distribution.py",
+    "torch_backend/test_torch_ddp.py::test_layout_gives_ranks_unequal_shares",
+    "torch_backend/test_torch_ddp.py::"
+    "test_no_sync_steps_trains_as_one_process_on_the_global_windows",
+    "torch_backend/test_torch_ddp.py::test_no_sync_weight_budget_closes_on_the_global_weight",
+    "torch_backend/test_torch_ddp.py::"
+    "test_builtin_ddp_accumulation_all_reduces_every_micro_batch",
     "test_faults.py",
     "test_install.py",
     "test_distribute.py::test_multi_worker_mirrored_two_processes_equal_a_single_process",

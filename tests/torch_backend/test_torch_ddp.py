@@ -152,8 +152,6 @@ def _matches_reference(result, windows):
 # The tests ----------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-@pytest.mark.subprocess
 def test_layout_gives_ranks_unequal_shares(ranks):
     assert [r["world_size"] for r in ranks] == [2, 2]
     # Every window's shares differ, so averaging the ranks' means is not exact.
@@ -162,8 +160,6 @@ def test_layout_gives_ranks_unequal_shares(ranks):
         assert sum(map(len, window[:half])) != sum(map(len, window[half:]))
 
 
-@pytest.mark.slow
-@pytest.mark.subprocess
 def test_no_sync_steps_trains_as_one_process_on_the_global_windows(ranks):
     lengths = _by_steps()
     assert lengths == [3, 3, 2]  # the last window of a pass is partial (`acc.apply`)
@@ -183,8 +179,6 @@ def test_no_sync_steps_trains_as_one_process_on_the_global_windows(ranks):
             float(sum(map(len, w))) for w in windows]
 
 
-@pytest.mark.slow
-@pytest.mark.subprocess
 def test_no_sync_weight_budget_closes_on_the_global_weight(ranks):
     lengths = _by_budget(BUDGET)
     # Global weights 8+7, 6+3+9, 15, then 6+4 left for `acc.apply`.
@@ -202,8 +196,6 @@ def test_no_sync_weight_budget_closes_on_the_global_weight(ranks):
         assert run["gradaccum_all_reduces"] == EPOCHS * MICRO_BATCHES + run["updates"]
 
 
-@pytest.mark.slow
-@pytest.mark.subprocess
 def test_builtin_ddp_accumulation_all_reduces_every_micro_batch(ranks):
     windows = _windows(_by_steps())
     result = _equal_ranks(ranks, "builtin")

@@ -208,7 +208,6 @@ def _fit_adam(model, x, y, jit_compile, batch_size=4, epochs=2):
     return history
 
 
-@pytest.mark.slow  # torch.compile: 10-20 s on two cores
 @pytest.mark.parametrize("options", [dict(steps=3), dict(micro_batch_size=5)],
                          ids=["steps", "split"])
 def test_jit_compile_equals_the_eager_run(options):
