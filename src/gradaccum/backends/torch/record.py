@@ -68,18 +68,22 @@ class FieldRecord(tr.Record):
         return (self.prefix + name) in self.variables
 
     def get(self, name: str):
-        return self._variable(name).value.detach().clone()
+        # A copy: the transitions may hold a field's value across a write to it.
+        return self._variable(name).value.clone()
 
     def set(self, name: str, value) -> None:
         target = self._variable(name).value
         with torch.no_grad():
-            target.copy_(tensor(value).to(device=target.device, dtype=target.dtype)
-                         .reshape(target.shape))
+            # (`copy_` casts and broadcasts a scalar into the field.)
+            target.copy_(value if isinstance(value, torch.Tensor) else tensor(value))
 
     def add(self, name: str, delta) -> None:
         target = self._variable(name).value
         with torch.no_grad():
-            target.add_(tensor(delta).to(device=target.device, dtype=target.dtype))
+            if isinstance(delta, (int, float)):
+                target.add_(delta)
+            else:
+                target.add_(tensor(delta).to(target.dtype))
 
     def cond(self, pred, true_fn, false_fn):
         return true_fn() if truth(pred) else false_fn()

@@ -29,6 +29,7 @@ from gradaccum import _keras_common as kc
 from gradaccum._validation import check_batch_dimensions
 from gradaccum.backends.torch import own_step as _own_step
 from gradaccum.backends.torch.record import FieldRecord, WindowRecord, tensor, truth
+from gradaccum.backends.torch.state import window_prefix
 from gradaccum.core import transitions as tr
 
 # What torch's allocators say when memory runs out (CUDA's error is
@@ -98,6 +99,8 @@ class TrainStep:
         self.follower = accumulation.follower
         model = self.model
         self.variables = list(model.trainable_variables)
+        # Each trained variable's place (its sum's) by identity.
+        self.place = {id(v): i for i, v in enumerate(self.variables)}
         self.loss_scaled = kc.is_loss_scale_optimizer(model.optimizer)
         self.growth_steps = (int(model.optimizer.dynamic_growth_steps)
                              if self.loss_scaled else None)
@@ -120,9 +123,11 @@ class TrainStep:
         """Window record `index`, applied by `optimizer` to `variables` (the
         model's optimizer and trainable variables by default)."""
         optimizer = self.model.optimizer if optimizer is None else optimizer
-        variables = self.variables if variables is None else list(variables)
-        place = {id(v): i for i, v in enumerate(self.variables)}
-        slots = [place[id(v)] for v in variables]
+        if variables is None:
+            variables, slots = self.variables, range(len(self.variables))
+        else:
+            variables = list(variables)
+            slots = [self.place[id(v)] for v in variables]
         return WindowRecord(self.state, index, optimizer, variables, slots,
                             noise=self.accumulation.noise())
 
@@ -383,14 +388,23 @@ class TrainStep:
             optimizer = self.appliers[index][0]
         else:
             index, optimizer = 0, self.model.optimizer
-        record = self.record(index, optimizer, ())
-        skipped = None
+        # Read as float32 tensors (no sync with the device each step; Keras turns
+        # logs into numbers where it shows them).
+        named = self.state.variables
+        prefix = window_prefix(index)
+        logs = {
+            "updates": tensor(optimizer.iterations).float(),
+            "window_micro_batches": named[prefix + "last_window_micro_batches"].value.float(),
+            "window_weight": named[prefix + "last_window_weight"].value.float(),
+        }
         if tr.skips_possible(self.policy, self.loss_scaled):
-            indices = sorted(self.appliers) or [0]
-            skipped = max(int(self.record(j, optimizer, ()).get("skipped"))
-                          for j in indices)
-        return {name: float(value) for name, value in
-                tr.counters(record, tensor(optimizer.iterations), skipped).items()}
+            # Every optimizer's window saw the same micro-batches: the one that
+            # skipped most counts.
+            counts = [named[window_prefix(j) + "skipped"].value
+                      for j in (sorted(self.appliers) or [0])]
+            logs["skipped"] = (counts[0] if len(counts) == 1
+                               else torch.stack(counts).max()).float()
+        return logs
 
 
 def batch_size(data) -> int:
