@@ -4,6 +4,7 @@
 
     KERAS_BACKEND=tensorflow python benchmarks/equal.py           # the grid, printed
     KERAS_BACKEND=jax python benchmarks/equal.py --write          # and BENCHMARKS.md's table
+    KERAS_BACKEND=torch python benchmarks/equal.py --write        # (steps_per_execution 1)
     python benchmarks/equal.py --workloads mlp --batches 8 --steps 4   # part of the grid
     python benchmarks/equal.py --cell mlp,8,4,4 --contender accumulate # one figure (JSON)
 
@@ -125,17 +126,19 @@ def ratio(rates: dict, top: str, bottom: str):
     return statistics.median(pairs), min(pairs), max(pairs)
 
 
-def cells(workloads_, batches, steps):
+def cells(workloads_, batches, steps, backend="tensorflow"):
     for workload in workloads_:
         for b in batches:
             for k in steps:
-                for spe in sorted({1, k}):
+                # (Keras's torch trainer runs one batch per call.)
+                for spe in [1] if backend == "torch" else sorted({1, k}):
                     yield workload, b, k, spe
 
 
-def grid(workloads_, batches, steps, repeats: int, scale: dict) -> list[dict]:
+def grid(workloads_, batches, steps, repeats: int, scale: dict,
+         backend: str = "tensorflow") -> list[dict]:
     rows = []
-    for workload, b, k, spe in cells(workloads_, batches, steps):
+    for workload, b, k, spe in cells(workloads_, batches, steps, backend):
         started = time.perf_counter()
         rates = measure(workload, b, k, spe, contenders_for(k), repeats,
                         scale.get(workload, 1.0))
@@ -211,6 +214,12 @@ def environment(backend: str) -> str:
         import jax
 
         version = f"JAX {jax.__version__} ({jax.default_backend()})"
+    elif backend == "torch":
+        import torch
+
+        device = "GPU" if torch.cuda.is_available() else "CPU"
+        version = (f"PyTorch {torch.__version__} ({device}, "
+                   f"{torch.get_num_threads()} threads)")
     else:
         import tensorflow as tf
 
@@ -268,7 +277,7 @@ def main(argv=None):
     scale = {name: float(value) for name, value in
              (item.split("=") for item in args.scale.split(",") if item)}
     started = time.perf_counter()
-    rows = grid(args.workloads, args.batches, args.steps, args.repeats, scale)
+    rows = grid(args.workloads, args.batches, args.steps, args.repeats, scale, backend)
     if args.json:
         args.json.write_text(json.dumps({"backend": backend, "rows": rows}, indent=1))
     command = f"KERAS_BACKEND={backend} python benchmarks/equal.py " + " ".join(

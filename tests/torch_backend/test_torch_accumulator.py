@@ -16,6 +16,7 @@ import torch
 from largebatch import SCE, assert_optimizer_close, assert_weights_close, data, mlp
 
 import gradaccum
+from gradaccum._validation import variable_name
 
 OPTIMIZERS = {
     "sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
@@ -822,8 +823,8 @@ def test_gradients_of_the_wrong_count_or_shape_are_refused():
     with pytest.raises(ValueError, match=f"^{re.escape(count)}$"):
         acc.accumulate(grads[:3])
     grads[2] = torch.zeros((3, 8))
-    shape = ("Each gradient must have its variable's shape. Received: gradient 2 of shape "
-             f"(3, 8) for variable {model.trainable_weights[2].path!r} of shape (8, 3)")
+    shape = (f"The gradient of variable '{variable_name(model.trainable_weights[2])}' "
+             "must have shape (8, 3). Received: shape=(3, 8)")
     with pytest.raises(ValueError, match=f"^{re.escape(shape)}$"):
         acc.step(optimizer, grads)
     assert is_empty(acc) and int(acc.micro_batches.numpy()) == 0

@@ -21,6 +21,7 @@ from gradaccum._validation import (
     check_optimizer,
     check_variables,
     check_weight_value,
+    variable_name,
 )
 from gradaccum.backends.torch.distributed import Reducer, default_group
 from gradaccum.backends.torch.fit import WindowRule
@@ -278,12 +279,11 @@ class GradientAccumulator:
                 f"`gradients` must have one entry per variable ({len(targets)}). "
                 f"Received: {len(gradients)} gradients."
             )
-        for i, (g, v) in enumerate(zip(gradients, targets)):
+        for g, v in zip(gradients, targets):
             if g is not None and tuple(g.shape) != tuple(v.shape):
                 raise ValueError(
-                    f"Each gradient must have its variable's shape. Received: gradient "
-                    f"{i} of shape {tuple(g.shape)} for variable {v.path!r} of shape "
-                    f"{tuple(v.shape)}"
+                    f"The gradient of variable '{variable_name(v)}' must have shape "
+                    f"{tuple(v.shape)}. Received: shape={tuple(g.shape)}"
                 )
         return [None if g is None else tensor(g) for g in gradients]
 
