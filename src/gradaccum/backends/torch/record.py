@@ -14,6 +14,8 @@ in place, and PyTorch's primitives for `gradaccum.core.transitions`.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from gradaccum import _keras_common as kc
@@ -24,14 +26,33 @@ from gradaccum.core.state import accumulator_name
 
 def tensor(value):
     """`value` (a keras Variable, a tensor, a number) as a torch tensor."""
-    if hasattr(value, "value") and not isinstance(value, torch.Tensor):
-        value = value.value
     if isinstance(value, torch.Tensor):
         return value
+    if hasattr(value, "value"):
+        value = value.value
+        if isinstance(value, torch.Tensor):
+            return value
     return torch.as_tensor(value)
 
 
-@torch.compiler.disable
+def eager(fn):
+    """`fn` run outside `torch.compile`'s graphs where a compiled step calls it
+    (`jit_compile=True`): the state machine's decisions are Python, and a traced step
+    would break its graph at each (with a warning); the model's forward and backward
+    passes are what compiles. Called eagerly, `fn` itself runs (a disabled function
+    costs a pass through dynamo's frame hook at every call)."""
+    disabled = torch.compiler.disable(fn, recursive=True)
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return disabled(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return run
+
+
+@eager
 def truth(value) -> bool:
     """A boolean tensor (or Python bool) as a Python bool."""
     if isinstance(value, bool):
@@ -69,21 +90,23 @@ class FieldRecord(tr.Record):
 
     def get(self, name: str):
         # A copy: the transitions may hold a field's value across a write to it.
-        return self._variable(name).value.clone()
+        return self.variables[self.prefix + name].value.clone()
+
+    # (The fields never require grad: written in place without `no_grad`.)
 
     def set(self, name: str, value) -> None:
-        target = self._variable(name).value
-        with torch.no_grad():
-            # (`copy_` casts and broadcasts a scalar into the field.)
-            target.copy_(value if isinstance(value, torch.Tensor) else tensor(value))
+        value = tensor(value)
+        if value.requires_grad:
+            value = value.detach()
+        # `copy_` casts and broadcasts a scalar into the field.
+        self.variables[self.prefix + name].value.copy_(value)
 
     def add(self, name: str, delta) -> None:
-        target = self._variable(name).value
-        with torch.no_grad():
-            if isinstance(delta, (int, float)):
-                target.add_(delta)
-            else:
-                target.add_(tensor(delta).to(target.dtype))
+        target = self.variables[self.prefix + name].value
+        if isinstance(delta, (int, float)):
+            target.add_(delta)
+        else:
+            target.add_(tensor(delta).to(target.dtype))
 
     def cond(self, pred, true_fn, false_fn):
         return true_fn() if truth(pred) else false_fn()

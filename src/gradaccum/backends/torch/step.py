@@ -28,20 +28,13 @@ import torch
 from gradaccum import _keras_common as kc
 from gradaccum._validation import check_batch_dimensions
 from gradaccum.backends.torch import own_step as _own_step
-from gradaccum.backends.torch.record import FieldRecord, WindowRecord, tensor, truth
+from gradaccum.backends.torch.record import FieldRecord, WindowRecord, eager, tensor, truth
 from gradaccum.backends.torch.state import window_prefix
 from gradaccum.core import transitions as tr
 
 # What torch's allocators say when memory runs out (CUDA's error is
 # torch.OutOfMemoryError; the CPU allocator raises a RuntimeError).
 OUT_OF_MEMORY = ("out of memory", "can't allocate memory")
-
-
-def eager(fn):
-    """`fn` run outside `torch.compile`'s graphs (`jit_compile=True`): the state
-    machine's decisions are Python, and a traced step would break its graph at
-    each; the model's forward and backward passes are what compiles."""
-    return torch.compiler.disable(fn, recursive=True)
 
 
 # The state machine's transitions the step calls, run eagerly.
@@ -133,7 +126,7 @@ class TrainStep:
 
     # The step ---------------------------------------------------------------------
 
-    @torch.compiler.disable(recursive=False)
+    @eager
     def __call__(self, data):
         fit = self.fit_record()
         if self.accumulation.resumable and truth(fit.get("resume_skip") > 0):
@@ -150,7 +143,7 @@ class TrainStep:
             logs = self.micro_batch(data)
         return dict(logs, **self.counters())
 
-    @torch.compiler.disable(recursive=False)
+    @eager
     def micro_batch(self, data):
         """`steps` mode with Keras's step: the batch is one micro-batch of the open
         window, which it may close."""
@@ -186,7 +179,7 @@ class TrainStep:
             logs = model.get_metrics_result()
         return logs
 
-    @torch.compiler.disable(recursive=False)
+    @eager
     def gradients(self, record, x, y, sample_weight):
         """One micro-batch's loss and gradients through the model's own loss
         computation (`loss.backward()` into the parameters' `.grad`). Returns the
@@ -291,7 +284,7 @@ class TrainStep:
             self.accumulation.size_chosen()
             return dict(logs, micro_batch_size=float(search.chosen))
 
-    @torch.compiler.disable(recursive=False)
+    @eager
     def split_run(self, data, batch: int, size: int):
         model = self.model
         fit = self.fit_record()
