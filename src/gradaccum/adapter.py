@@ -20,8 +20,6 @@ import contextlib
 import warnings
 from typing import NamedTuple
 
-import numpy as np
-
 from gradaccum import _keras_common as kc
 from gradaccum import epochs, saving
 from gradaccum.core import moving_statistics
@@ -363,7 +361,7 @@ class Accumulation(abc.ABC):
         for name, variable in self.saved_variables().items():
             # The epoch's length is the running fit's (its hook sets it).
             if name != "epoch_length":
-                store[saving.PREFIX + name] = np.asarray(variable.numpy())
+                store[saving.PREFIX + name] = saving.storable(variable.numpy())
 
     def load_from(self, store) -> None:
         """Restores what `save_to` wrote; values the state has no place for yet

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import warnings
 
+import keras
 import numpy as np
 
 # The prefix of the state's entries in a weights store.
@@ -40,6 +41,16 @@ def sidecar(filepath) -> str:
     return os.fspath(filepath) + SIDECAR
 
 
+def storable(value) -> np.ndarray:
+    """A state value as a file keeps it: a float NumPy has no dtype for (bfloat16,
+    ml_dtypes' floats, which `np.savez` writes as raw bytes no load reads back) in
+    float32, which holds it exactly; `restore` casts it back to the variable's."""
+    value = np.asarray(value)
+    if value.dtype.kind not in "biuf":
+        value = value.astype("float32")
+    return value
+
+
 def restore(named: dict, pending: dict) -> None:
     """Assigns the saved values in `pending` (popped) to the variables of `named` of
     the same name; a value whose shape is no longer the variable's (the model's
@@ -60,6 +71,10 @@ def restore(named: dict, pending: dict) -> None:
                     stacklevel=3,
                 )
             continue
+        dtype = keras.backend.standardize_dtype(variable.dtype)
+        if str(value.dtype) != dtype:
+            # (A bfloat16 state kept as float32 by `storable`.)
+            value = keras.ops.convert_to_numpy(keras.ops.cast(value, dtype))
         variable.assign(value)
 
 

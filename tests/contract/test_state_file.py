@@ -295,3 +295,28 @@ def test_a_sharded_save_is_tied_to_its_shards(tmp_path):
         (tmp_path / name).write_bytes(content)
     with pytest.raises(ValueError, match="was not saved with the weights in"):
         _ready(_trainer(seed=5)).load_weights(sharded)
+
+
+def test_bfloat16_sums_save_and_resume_exactly(tmp_path):
+    """bfloat16 accumulators go into the state file as float32 (NumPy has no
+    bfloat16 of its own, and `np.savez` would write raw bytes no load reads back),
+    and come back as they were, on every backend."""
+    path, model = _saved_mid_window(tmp_path, count=24, accumulator_dtype="bfloat16")
+    saved = accumulation_of(model).saved_variables()
+    sums = [keras.ops.convert_to_numpy(keras.ops.cast(saved[f"accumulator_{i}"], "float32"))
+            for i in range(4)]
+    assert accumulation_of(model).open_micro_batches() == 2 and np.any(sums[0])
+    resumed = _trainer(partial="carry", seed=5, accumulator_dtype="bfloat16")
+    _ready(resumed)
+    resumed.load_weights(path)
+    restored = accumulation_of(resumed).saved_variables()
+    assert accumulation_of(resumed).open_micro_batches() == 2
+    for i, expected in enumerate(sums):
+        value = restored[f"accumulator_{i}"]
+        assert keras.backend.standardize_dtype(value.dtype) == "bfloat16"
+        np.testing.assert_array_equal(
+            keras.ops.convert_to_numpy(keras.ops.cast(value, "float32")), expected)
+    x, y = data(40)
+    for trained in (model, resumed):
+        trained.fit(x[24:], y[24:], batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(resumed, model)

@@ -837,6 +837,8 @@ def test_gradients_of_the_wrong_count_or_shape_are_refused():
     (torch.tensor(-2.0), "`weight` must be a finite number >= 0. Received: weight=-2.0"),
     ([1.0, 2.0], "`weight` must be a scalar. Received: weight with shape (2,)"),
     (torch.ones((1, 2)), "`weight` must be a scalar. Received: weight with shape (1, 2)"),
+    ("a", "`weight` must be a finite number >= 0. Received: weight='a'"),
+    (None, "`weight` must be a finite number >= 0. Received: weight=None"),
 ])
 def test_a_bad_weight_is_refused_and_changes_nothing(weight, message):
     v = keras.Variable([1.0])
@@ -893,3 +895,34 @@ def test_the_class_docstring_example_runs_as_a_doctest():
     result = doctest.testmod(accumulator, verbose=False)
     assert result.failed == 0
     assert result.attempted > 0
+
+
+def test_float64_sums_combine_in_float64():
+    # Weights 1 and 2 on the same gradient: G is that gradient exactly (1 / W in
+    # float32 would be off by about 3e-8).
+    v = keras.Variable(np.zeros(2, "float64"))
+    acc = gradaccum.GradientAccumulator([v], accumulator_dtype="float64")
+    gradient = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    acc.accumulate([gradient], weight=1.0)
+    acc.accumulate([gradient], weight=2.0)
+    (combined,) = acc.gradients()
+    assert combined.dtype == torch.float64
+    np.testing.assert_array_equal(combined.numpy(), [1.0, 1.0])
+
+
+def test_gradients_are_copies_the_next_micro_batch_leaves_alone():
+    # Under reduction "sum" the combination is the sums: `gradients()` hands out a
+    # copy, which the apply-it-yourself pattern then applies after `reset`.
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, use_bias=False)])
+    model.set_weights([np.zeros((3, 1), "float32")])
+    acc = gradaccum.GradientAccumulator(model.trainable_variables, reduction="sum")
+    ones = [torch.ones((3, 1))]
+    acc.accumulate(ones)
+    acc.accumulate(ones)
+    combined = acc.gradients()
+    acc.reset()
+    acc.accumulate(ones)
+    optimizer = keras.optimizers.SGD(1.0)
+    with torch.no_grad():
+        optimizer.apply(combined, model.trainable_variables)
+    np.testing.assert_array_equal(model.get_weights()[0], np.full((3, 1), -2.0))

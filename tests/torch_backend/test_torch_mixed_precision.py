@@ -214,10 +214,15 @@ def test_jit_compile_equals_the_eager_run(options):
     # 30 samples in batches of 10: with steps=3 one window of the three batches per
     # epoch; in split mode each batch as 5 + 5. (One shape throughout: each new one
     # would compile again.) The state machine runs outside the compiled graphs.
+    from torch._dynamo.utils import counters
+
     x, y = data(30)
     compiled = gradaccum.accumulate(mlp(), **options)
+    graphs = counters["stats"]["unique_graphs"]
     history = _fit_adam(compiled, x, y, jit_compile=True, batch_size=10)
     assert compiled.jit_compile is True
+    # The model's passes compiled (the state machine kept out of the graphs).
+    assert counters["stats"]["unique_graphs"] > graphs
     eager = gradaccum.accumulate(mlp(), **options)
     expected = _fit_adam(eager, x, y, jit_compile=False, batch_size=10)
     assert max_gap(compiled, mlp()) > 1e-2

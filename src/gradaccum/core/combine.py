@@ -34,7 +34,11 @@ def combine(sums, total_weight, reduction: str, dtypes) -> list:
     """
     ops = keras.ops
     if reduction == "mean":
-        scale = ops.divide_no_nan(ops.ones((), total_weight.dtype), total_weight)
+        # 1 / W in W's dtype (float64 sums keep float64: Keras's torch
+        # `divide_no_nan` would compute it in float32), 0 for an empty window.
+        held = total_weight > 0
+        safe = ops.where(held, total_weight, ops.ones_like(total_weight))
+        scale = ops.where(held, ops.reciprocal(safe), ops.zeros_like(total_weight))
     combined = []
     for grad, dtype in zip(sums, dtypes):
         if reduction == "mean":

@@ -104,6 +104,12 @@ ERRORS = {"nonfinite": 1, "negative_weight": 2, "schedule": 3}
 ERROR_FIELDS = ("error", "error_at", "error_micro_batch")
 
 
+# Non-trainable variables larger than this are taken as frozen weights (a LoRA base
+# model's kernels): a training step reads them and never changes them, so they are
+# not copied before a micro-batch to be put back if it is skipped or fails.
+LARGEST_KEPT = 1 << 16
+
+
 def fields(record, *, without=()) -> tuple:
     """The fields of `record` (`WINDOW` or `FIT`) but those named in `without`."""
     return tuple(field for field in record if field.name not in without)

@@ -18,10 +18,8 @@ import tensorflow as tf
 
 from gradaccum.backends.tensorflow import split as _split
 
-# Non-trainable variables larger than this are taken as frozen weights (a LoRA
-# base model's kernels): a training step reads them and never changes them, so
-# they are not copied before every batch.
-LARGEST_KEPT = 1 << 16
+# Non-trainable variables larger than this are not copied before every batch.
+from gradaccum.core.state import LARGEST_KEPT  # noqa: E402
 
 
 class Snapshot:

@@ -288,7 +288,12 @@ class GradientAccumulator:
         return [None if g is None else tensor(g) for g in gradients]
 
     def _weight(self, weight):
-        value = tensor(weight).detach()
+        try:
+            value = tensor(weight).detach()
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(
+                f"`weight` must be a finite number >= 0. Received: weight={weight!r}"
+            ) from None
         check_weight_value(value.cpu().numpy())
         return value.reshape(()).float()
 
@@ -306,7 +311,9 @@ class GradientAccumulator:
         combined = combine(record.sums(), record.get("total_weight"), self.reduction,
                            record.dtypes())
         received = record.get("received")
-        return [g if r > 0 else None for g, r in zip(combined, received)]
+        # Copies: under reduction "sum" the combination is the sums themselves,
+        # which the next `accumulate` or `reset` changes in place.
+        return [g.clone() if r > 0 else None for g, r in zip(combined, received)]
 
     def reset(self) -> None:
         """Empties the open window."""

@@ -52,6 +52,40 @@ class Options(CoreOptions):
         return 1
 
 
+def torch_statistics(model) -> list:
+    """`(layer, module names)` of each `keras.layers.TorchModuleWrapper` in `model`
+    that holds torch modules with running statistics (`torch.nn.BatchNorm*`)."""
+    import keras
+
+    found = []
+    for layer in kc.flatten_layers(model):
+        module = getattr(layer, "module", None)
+        if not isinstance(layer, keras.layers.TorchModuleWrapper) or module is None:
+            continue
+        names = [type(m).__name__ for m in module.modules()
+                 if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+                 and m.track_running_stats]
+        if names:
+            found.append((layer, names))
+    return found
+
+
+def warn_torch_statistics(model) -> None:
+    """A warning naming each wrapped torch module gradaccum cannot follow: its
+    running statistics are buffers outside Keras's variables."""
+    for layer, names in torch_statistics(model):
+        warnings.warn(
+            f"Layer {layer.name!r} wraps torch module(s) with running statistics "
+            f"({', '.join(sorted(set(names)))}): under gradaccum they move at every "
+            "micro-batch, not once per window, and a micro-batch skipped for a "
+            "non-finite gradient moves them too (their buffers are not Keras "
+            "variables, which gradaccum follows and puts back). Use "
+            "keras.layers.BatchNormalization to have them follow the window, or pass "
+            "moving_statistics=\"micro_batch\" to silence this.",
+            stacklevel=5,
+        )
+
+
 class Accumulation(adapter.Accumulation):
     """Gradient accumulation attached to a model that `fit` trains on PyTorch.
 
@@ -96,6 +130,8 @@ class Accumulation(adapter.Accumulation):
             optimizer.build(host.trainable_variables)
         self._variables = list(host.trainable_variables)
         follower = self.follow()
+        if self.options.follows_moving_statistics:
+            warn_torch_statistics(self.layers)
         records = len(kc.named_optimizers(host)) if self.own_train_step is not None else 1
         self.state = TorchState(
             self._variables, self.options.accumulator_dtype, records=max(1, records),
@@ -239,7 +275,8 @@ class Accumulation(adapter.Accumulation):
                 named[window_prefix(j) + "total_weight"].value, self.options.reduction,
                 [v.dtype for v in variables],
             )
-            pairs += list(zip(variables, combined))
+            # Copies: the sums themselves under reduction "sum".
+            pairs += [(v, g.clone()) for v, g in zip(variables, combined)]
         return pairs
 
     def findings(self) -> Findings:

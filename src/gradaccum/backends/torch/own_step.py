@@ -34,7 +34,7 @@ def run(step, data) -> dict:
     step_name = f"{type(model).__name__}.train_step"
     tracks = tr.tracks_skips(step.policy, step.loss_scaled)
     entry_metrics = snapshot(model.metrics_variables) if tracks else None
-    entry_state = snapshot(model.non_trainable_variables) if tracks else None
+    entry_state = step.forward_state.take() if tracks else None
     start = step.moving_start()
     handover = Handover(step, data, tr.end_of_data(fit), step_name)
     step.normalizers.start()
@@ -50,7 +50,7 @@ def run(step, data) -> dict:
     step.appliers.update(handover.appliers)
     accepted = any(handover.accepted)
     if not accepted and entry_state is not None:
-        restore(model.non_trainable_variables, entry_state)
+        step.forward_state.put_back(entry_state)
     # The moving statistics follow the first optimizer call's window (every
     # optimizer's saw the same micro-batches).
     step.follow(start, handover.outcomes[0]._replace(accepted=accepted))

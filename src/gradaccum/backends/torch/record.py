@@ -35,13 +35,17 @@ def tensor(value):
     return torch.as_tensor(value)
 
 
-def eager(fn):
+def eager(fn=None, *, recursive: bool = True):
     """`fn` run outside `torch.compile`'s graphs where a compiled step calls it
     (`jit_compile=True`): the state machine's decisions are Python, and a traced step
     would break its graph at each (with a warning); the model's forward and backward
-    passes are what compiles. Called eagerly, `fn` itself runs (a disabled function
-    costs a pass through dynamo's frame hook at every call)."""
-    disabled = torch.compiler.disable(fn, recursive=True)
+    passes are what compiles. `recursive=False`: only `fn`'s own frame is left out,
+    what it calls is traced (the step's methods, which call the model). Called
+    eagerly, `fn` itself runs (a disabled function costs a pass through dynamo's
+    frame hook at every call)."""
+    if fn is None:
+        return functools.partial(eager, recursive=recursive)
+    disabled = torch.compiler.disable(fn, recursive=recursive)
 
     @functools.wraps(fn)
     def run(*args, **kwargs):

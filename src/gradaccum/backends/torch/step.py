@@ -22,6 +22,9 @@ the metrics, and the non-trainable variables its forward pass moved.
 
 from __future__ import annotations
 
+import math
+import warnings
+
 import keras
 import torch
 
@@ -31,6 +34,7 @@ from gradaccum.backends.torch import own_step as _own_step
 from gradaccum.backends.torch.record import FieldRecord, WindowRecord, eager, tensor, truth
 from gradaccum.backends.torch.state import window_prefix
 from gradaccum.core import transitions as tr
+from gradaccum.core.state import LARGEST_KEPT
 
 # What torch's allocators say when memory runs out (CUDA's error is
 # torch.OutOfMemoryError; the CPU allocator raises a RuntimeError).
@@ -57,6 +61,50 @@ def restore(variables, values) -> None:
     with torch.no_grad():
         for variable, value in zip(variables, values):
             variable.value.copy_(value)
+
+
+class ForwardState:
+    """The non-trainable variables a micro-batch's forward pass may move (batch
+    normalization's statistics, counters, a seed generator's state), put back where
+    the micro-batch is skipped. Those larger than `core.state.LARGEST_KEPT` elements
+    are taken as frozen weights (a LoRA base model's kernels) and not copied before
+    each micro-batch: one that a skipped micro-batch moved all the same is named in
+    a warning (it cannot be put back).
+
+    Args:
+        model: the model (its non-trainable variables are read again where their
+            number changed: a subclassed model builds in its first step).
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.count = None
+        self.small, self.large = [], []
+        self.warned = False
+
+    def take(self):
+        """What `put_back` needs: the small ones' values, the large ones' versions."""
+        variables = self.model.non_trainable_variables
+        if len(variables) != self.count:
+            self.count = len(variables)
+            self.small = [v for v in variables if math.prod(v.shape) <= LARGEST_KEPT]
+            self.large = [v for v in variables if math.prod(v.shape) > LARGEST_KEPT]
+        return self.small, snapshot(self.small), [v.value._version for v in self.large]
+
+    def put_back(self, taken) -> None:
+        small, values, versions = taken
+        restore(small, values)
+        moved = [v for v, version in zip(self.large, versions) if v.value._version != version]
+        if moved and not self.warned:
+            self.warned = True
+            names = ", ".join(f"{v.path!r} ({math.prod(v.shape)} values)" for v in moved)
+            warnings.warn(
+                f"gradaccum skipped a micro-batch whose forward pass moved the "
+                f"non-trainable variable(s) {names}: variables of more than "
+                f"{LARGEST_KEPT} values are taken as frozen weights and not copied "
+                "before each micro-batch, so that move stays.",
+                stacklevel=4,
+            )
 
 
 def clear_gradients(model, variables) -> None:
@@ -94,6 +142,7 @@ class TrainStep:
         self.variables = list(model.trainable_variables)
         # Each trained variable's place (its sum's) by identity.
         self.place = {id(v): i for i, v in enumerate(self.variables)}
+        self.forward_state = ForwardState(model)
         self.loss_scaled = kc.is_loss_scale_optimizer(model.optimizer)
         self.growth_steps = (int(model.optimizer.dynamic_growth_steps)
                              if self.loss_scaled else None)
@@ -126,7 +175,7 @@ class TrainStep:
 
     # The step ---------------------------------------------------------------------
 
-    @eager
+    @eager(recursive=False)
     def __call__(self, data):
         fit = self.fit_record()
         if self.accumulation.resumable and truth(fit.get("resume_skip") > 0):
@@ -143,7 +192,7 @@ class TrainStep:
             logs = self.micro_batch(data)
         return dict(logs, **self.counters())
 
-    @eager
+    @eager(recursive=False)
     def micro_batch(self, data):
         """`steps` mode with Keras's step: the batch is one micro-batch of the open
         window, which it may close."""
@@ -154,7 +203,7 @@ class TrainStep:
         model = self.model
         tracks = tr.tracks_skips(self.policy, self.loss_scaled)
         entry_metrics = snapshot(model.metrics_variables) if tracks else None
-        entry_state = snapshot(model.non_trainable_variables) if tracks else None
+        entry_state = self.forward_state.take() if tracks else None
         start = self.moving_start()
         loss, y_pred, weight, gradients, normalizers, weighted = self.gradients(
             record, x, y, sample_weight)
@@ -167,7 +216,7 @@ class TrainStep:
             )
         accepted = truth(accepted)
         if not accepted and entry_state is not None:
-            restore(model.non_trainable_variables, entry_state)
+            self.forward_state.put_back(entry_state)
         self.follow(start, record.outcome)
         kc.loss_tracker(model).update_state(
             loss.detach(), sample_weight=tr.logged_weight(self.policy, x, weight))
@@ -179,7 +228,7 @@ class TrainStep:
             logs = model.get_metrics_result()
         return logs
 
-    @eager
+    @eager(recursive=False)
     def gradients(self, record, x, y, sample_weight):
         """One micro-batch's loss and gradients through the model's own loss
         computation (`loss.backward()` into the parameters' `.grad`). Returns the
@@ -251,7 +300,7 @@ class TrainStep:
         if self.loss_scaled:
             kept += [model.optimizer.step_counter, model.optimizer.dynamic_scale]
         entry = (snapshot(kept), snapshot(model.metrics_variables),
-                 snapshot(model.non_trainable_variables))
+                 self.forward_state.take())
         while True:
             size = min(search.size_for(batch), batch)
             self.applying = False
@@ -262,7 +311,7 @@ class TrainStep:
                 # batch that raised leaves no half-filled window behind).
                 restore(kept, entry[0])
                 restore(model.metrics_variables, entry[1])
-                restore(model.non_trainable_variables, entry[2])
+                self.forward_state.put_back(entry[2])
                 clear_gradients(model, self.variables)
                 if not is_out_of_memory(error):
                     raise
@@ -284,7 +333,7 @@ class TrainStep:
             self.accumulation.size_chosen()
             return dict(logs, micro_batch_size=float(search.chosen))
 
-    @eager
+    @eager(recursive=False)
     def split_run(self, data, batch: int, size: int):
         model = self.model
         fit = self.fit_record()
@@ -297,7 +346,7 @@ class TrainStep:
                 lambda t, s=start: None if t is None else t[s:s + size], data)
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(micro)
             entry_metrics = snapshot(model.metrics_variables) if tracks else None
-            entry_state = snapshot(model.non_trainable_variables) if tracks else None
+            entry_state = self.forward_state.take() if tracks else None
             moving = self.moving_start()
             loss, y_pred, weight, gradients, normalizers, weighted = self.gradients(
                 record, x, y, sample_weight)
@@ -307,7 +356,7 @@ class TrainStep:
                     self.policy, record, gradients, weight, weighted=weighted,
                     loss_scale=self.growth_steps, grows=False, closes=False))
             if not accepted and entry_state is not None:
-                restore(model.non_trainable_variables, entry_state)
+                self.forward_state.put_back(entry_state)
             self.follow(moving, tr.Outcome(accepted, False, False))
             model.compute_metrics(x, y, y_pred, sample_weight)
             if tracks and not accepted:
