@@ -36,6 +36,7 @@ import warnings
 from typing import NamedTuple
 
 import keras
+import numpy as np
 
 from gradaccum.core import screening
 from gradaccum.core.combine import combine
@@ -339,8 +340,10 @@ def admit(policy: Policy, record, gradients, weight, accept, factor=None,
     record.set("total_weight", total + ops.where(accept, ops.cast(weight, total.dtype), 0))
     if record.has("received"):
         received = record.get("received")
-        given = ops.convert_to_tensor([float(g is not None) for g in gradients],
-                                      received.dtype)
+        # (From a NumPy array: Keras's torch backend converts a Python list
+        # element by element.)
+        given = ops.convert_to_tensor(
+            np.asarray([g is not None for g in gradients], "float32"), received.dtype)
         record.set("received", received + given * ops.cast(accept, received.dtype))
 
 

@@ -202,7 +202,6 @@ class TrainStep:
         record = self.record()
         model = self.model
         tracks = tr.tracks_skips(self.policy, self.loss_scaled)
-        entry_metrics = snapshot(model.metrics_variables) if tracks else None
         entry_state = self.forward_state.take() if tracks else None
         start = self.moving_start()
         loss, y_pred, weight, gradients, normalizers, weighted = self.gradients(
@@ -218,15 +217,14 @@ class TrainStep:
         if not accepted and entry_state is not None:
             self.forward_state.put_back(entry_state)
         self.follow(start, record.outcome)
+        if tracks and not accepted:
+            # A skipped micro-batch stays out of the loss tracker and the metrics
+            # (the screen ran first): the logs (History, TerminateOnNaN) are the
+            # used micro-batches'.
+            return model.get_metrics_result()
         kc.loss_tracker(model).update_state(
             loss.detach(), sample_weight=tr.logged_weight(self.policy, x, weight))
-        logs = model.compute_metrics(x, y, y_pred, sample_weight)
-        if tracks and not accepted:
-            # A skipped micro-batch leaves the loss tracker and the metrics: the
-            # logs (History, TerminateOnNaN) are the used micro-batches'.
-            restore(model.metrics_variables, entry_metrics)
-            logs = model.get_metrics_result()
-        return logs
+        return model.compute_metrics(x, y, y_pred, sample_weight)
 
     @eager(recursive=False)
     def gradients(self, record, x, y, sample_weight):
@@ -345,7 +343,6 @@ class TrainStep:
             micro = keras.tree.map_structure(
                 lambda t, s=start: None if t is None else t[s:s + size], data)
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(micro)
-            entry_metrics = snapshot(model.metrics_variables) if tracks else None
             entry_state = self.forward_state.take() if tracks else None
             moving = self.moving_start()
             loss, y_pred, weight, gradients, normalizers, weighted = self.gradients(
@@ -358,10 +355,10 @@ class TrainStep:
             if not accepted and entry_state is not None:
                 self.forward_state.put_back(entry_state)
             self.follow(moving, tr.Outcome(accepted, False, False))
-            model.compute_metrics(x, y, y_pred, sample_weight)
             if tracks and not accepted:
-                restore(model.metrics_variables, entry_metrics)
+                # (Out of the metrics and the batch's loss: the screen ran first.)
                 continue
+            model.compute_metrics(x, y, y_pred, sample_weight)
             # The batch's loss weighs each micro-batch as the loss tracker would.
             logged = float(tr.logged_weight(self.policy, x, weight))
             weighted_loss += float(loss.detach()) * logged
