@@ -27,11 +27,13 @@ TIERS = _tiers()
 
 
 def pytest_ignore_collect(collection_path, config):
-    """The JAX adapter's examples set Keras's JAX backend: their doctests run in the
-    JAX process (tests/jax_backend/test_jax_docs.py)."""
-    if os.environ.get("KERAS_BACKEND") != "jax":
-        parts = pathlib.Path(str(collection_path)).parts
-        if "backends" in parts and "jax" in parts and "gradaccum" in parts:
+    """The JAX and PyTorch adapters' examples set their backend: their doctests run in
+    that backend's process (tests/jax_backend/test_jax_docs.py,
+    tests/torch_backend/test_torch_docs.py)."""
+    parts = pathlib.Path(str(collection_path)).parts
+    if "backends" in parts and "gradaccum" in parts:
+        backend = os.environ.get("KERAS_BACKEND", "tensorflow")
+        if any(name in parts and name != backend for name in ("jax", "torch")):
             return True
     return None
 

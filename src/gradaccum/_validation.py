@@ -297,6 +297,18 @@ def check_optimizer(optimizer) -> None:
         )
 
 
+def check_loss_scale_optimizer(value) -> None:
+    """Refuses what `accumulate(..., loss_scale_optimizer=...)` takes that is not a
+    `keras.optimizers.LossScaleOptimizer`."""
+    from gradaccum import _keras_common as kc
+
+    if not kc.is_loss_scale_optimizer(value):
+        raise ValueError(
+            "`loss_scale_optimizer` must be a keras.optimizers.LossScaleOptimizer. "
+            f"Received: loss_scale_optimizer of type {type(value).__name__}"
+        )
+
+
 def check_variables(variables) -> list:
     """Returns `variables` as a non-empty list of variables, or raises."""
     try:

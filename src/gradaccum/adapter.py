@@ -146,9 +146,26 @@ class Accumulation(abc.ABC):
         """Checks a built model where a door receives it (nothing by default)."""
         return None
 
+    #: Whether split mode runs a model's own `train_step` (TensorFlow); elsewhere the
+    #: step's batch is its micro-batch, and split mode runs Keras's default step.
+    splits_own_step = True
+
     def attach(self, host, own_step=None) -> None:
         """Attaches to `host`; `own_step` is the host's own `train_step` (bound), or
         None for Keras's default step."""
+        if own_step is not None and self.options.split and not self.splits_own_step:
+            import keras
+
+            from gradaccum._backend import NAMES
+
+            raise ValueError(
+                f"On Keras's {NAMES[keras.backend.backend()]} backend a model's own "
+                "`train_step` accumulates with `steps` (each batch is a micro-batch); "
+                "split mode runs Keras's default step. Received: "
+                f"micro_batch_size={self.options.micro_batch_size!r} for model "
+                f"{host.name!r} of class {type(host).__name__}, which defines its own "
+                "`train_step`."
+            )
         self.host = host
         self.own_train_step = own_step
 
@@ -325,6 +342,21 @@ class Accumulation(abc.ABC):
     @abc.abstractmethod
     def window_values(self, name: str) -> list:
         """A window record's field `name` in each window (Python ints)."""
+
+    def warn_appliers_unknown(self) -> None:
+        """End of the data for a model's own step that has not run since its window
+        was restored: which optimizers apply it is unknown, so the window stays."""
+        open_micro_batches = self.open_micro_batches()
+        if open_micro_batches:
+            warnings.warn(
+                f"gradaccum cannot apply the open window ({open_micro_batches} "
+                f"micro-batches) of {type(self.host).__name__} here: which optimizers "
+                "apply a model's own `train_step` is read from the step when it "
+                "first runs in this process, and it has not run since the window "
+                "was restored. The window is left unapplied (kept while the "
+                "model accumulates; `gradaccum.disable` drops it).",
+                stacklevel=5,
+            )
 
     def open_micro_batches(self) -> int:
         """Micro-batches in the open window (0 without a state): every optimizer's

@@ -252,6 +252,19 @@ def per_example_inputs(model, x, y, sample_weight):
     return compile_loss, elements
 
 
+def check_example_losses(model, losses, regularized: int) -> None:
+    """Refuses a model whose layers add losses in their call (`add_loss`): computed
+    over the micro-batch, they cannot be split per example. `losses`: what the
+    model's stateless call returned for one example, the weight regularizers' terms
+    first (`regularized` of them)."""
+    if len(losses) > regularized:
+        raise ValueError(
+            "`privacy` needs losses that can be split per example: a layer of model "
+            f"{model.name!r} adds a loss in its call (`add_loss`), computed over "
+            "the micro-batch. Received: a model whose layers add losses."
+        )
+
+
 def regularized_variables(model) -> int:
     """How many of the model's trainable variables have a weight regularizer."""
     return sum(getattr(v, "regularizer", None) is not None

@@ -10,8 +10,6 @@ of the data, and raising the errors the jitted step can only record.
 
 from __future__ import annotations
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 
@@ -85,6 +83,7 @@ class Accumulation(adapter.Accumulation):
     """
 
     Options = Options
+    splits_own_step = False
 
     def __init__(self, options: Options, layers):
         super().__init__(options, layers)
@@ -93,18 +92,6 @@ class Accumulation(adapter.Accumulation):
         self._variables = []
         # micro_batch_size="auto": the step compiled for each size tried.
         self._sized_steps = {}
-
-    def attach(self, host, own_step=None) -> None:
-        """`own_step`: the model's own `train_step(state, data)` (None: Keras's)."""
-        if own_step is not None and self.options.split:
-            raise ValueError(
-                "On Keras's JAX backend a model's own `train_step` accumulates with "
-                "`steps` (each batch is a micro-batch); split mode runs Keras's default "
-                f"step. Received: micro_batch_size={self.options.micro_batch_size!r} "
-                f"for model {host.name!r} of class {type(host).__name__}, which defines "
-                "its own `train_step`."
-            )
-        super().attach(host, own_step)
 
     def detach(self) -> None:
         """`disable`: the model tracks the state no more."""
@@ -226,19 +213,8 @@ class Accumulation(adapter.Accumulation):
         applied when `apply` and it holds an accepted micro-batch, else dropped.
         Returns whether an update happened."""
         step = self.step
-        model = self.host
         if not step.appliers_known:
-            open_micro_batches = self.open_micro_batches()
-            if open_micro_batches:
-                warnings.warn(
-                    f"gradaccum cannot apply the open window ({open_micro_batches} "
-                    f"micro-batches) of {type(model).__name__} here: which optimizers "
-                    "apply a model's own `train_step` is read from the step when it "
-                    "first runs in this process, and it has not run since the window "
-                    "was restored. The window is left unapplied (kept while the "
-                    "model accumulates; `gradaccum.disable` drops it).",
-                    stacklevel=4,
-                )
+            self.warn_appliers_unknown()
             return False
         closed = [self._close_record(index, applier, apply)
                   for index, applier in sorted(step.appliers.items())]

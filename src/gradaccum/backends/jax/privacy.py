@@ -14,7 +14,12 @@ import keras
 import numpy as np
 
 from gradaccum import _keras_common as kc
-from gradaccum.core.privacy import clip_factors, per_example_inputs, regularized_variables
+from gradaccum.core.privacy import (
+    check_example_losses,
+    clip_factors,
+    per_example_inputs,
+    regularized_variables,
+)
 
 
 def clipped_micro_batch(model, privacy, trainable, non_trainable, x, y, sample_weight):
@@ -39,12 +44,7 @@ def clipped_micro_batch(model, privacy, trainable, non_trainable, x, y, sample_w
         )
         # The weight regularizers' terms come first among them (one per regularized
         # variable); any other is an `add_loss` of a layer's call.
-        if len(losses) > regularized:
-            raise ValueError(
-                "`privacy` needs losses that can be split per example: a layer of model "
-                f"{model.name!r} adds a loss in its call (`add_loss`), computed over "
-                "the micro-batch. Received: a model whose layers add losses."
-            )
+        check_example_losses(model, losses, regularized)
         with kc.loss_metrics_set_aside(compile_loss):
             loss = compile_loss(single.get("y"), y_pred, single.get("sample_weight"))
         return loss, (jax.tree_util.tree_map(lambda t: t[0], y_pred), new_non_trainable)

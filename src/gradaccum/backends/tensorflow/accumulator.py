@@ -17,8 +17,9 @@ require_tensorflow()
 
 import tensorflow as tf  # noqa: E402
 
-from gradaccum._validation import (  # noqa: E402
+from gradaccum._validation import (  # noqa: E402  # noqa: E402
     check_choice,
+    check_loss_scale_optimizer,
     check_optimizer,
     check_variables,
 )
@@ -394,12 +395,7 @@ class GradientAccumulator(tf.Module):
         weight = check_weight(weight, self.state.total_weight.dtype)
         growth_steps = None
         if loss_scale_optimizer is not None:
-            if not kc.is_loss_scale_optimizer(loss_scale_optimizer):
-                raise ValueError(
-                    "`loss_scale_optimizer` must be a keras.optimizers.LossScaleOptimizer. "
-                    f"Received: loss_scale_optimizer of type "
-                    f"{type(loss_scale_optimizer).__name__}"
-                )
+            check_loss_scale_optimizer(loss_scale_optimizer)
             # The scale whose window reacts at the update under a strategy.
             self._loss_scaling = Untracked(loss_scale_optimizer)
             self._prepare_optimizer(loss_scale_optimizer)

@@ -17,6 +17,7 @@ from gradaccum import _keras_common as kc
 from gradaccum._validation import (
     accumulator_dtype_name,
     check_choice,
+    check_loss_scale_optimizer,
     check_nonfinite,
     check_optimizer,
     check_variables,
@@ -244,12 +245,7 @@ class GradientAccumulator:
         weight = self._weight(weight)
         growth = None
         if loss_scale_optimizer is not None:
-            if not kc.is_loss_scale_optimizer(loss_scale_optimizer):
-                raise ValueError(
-                    "`loss_scale_optimizer` must be a keras.optimizers.LossScaleOptimizer. "
-                    f"Received: loss_scale_optimizer of type "
-                    f"{type(loss_scale_optimizer).__name__}"
-                )
+            check_loss_scale_optimizer(loss_scale_optimizer)
             if self._reducer is not None:
                 raise ValueError(
                     "A GradientAccumulator summed over torch.distributed processes "

@@ -95,6 +95,7 @@ class Accumulation(adapter.Accumulation):
     """
 
     Options = Options
+    splits_own_step = False
 
     def __init__(self, options: Options, layers):
         super().__init__(options, layers)
@@ -102,17 +103,6 @@ class Accumulation(adapter.Accumulation):
         self.step: TrainStep | None = None
         self._variables = []
         self._noise = None
-
-    def attach(self, host, own_step=None) -> None:
-        if own_step is not None and self.options.split:
-            raise ValueError(
-                "On Keras's PyTorch backend a model's own `train_step` accumulates with "
-                "`steps` (each batch is a micro-batch); split mode runs Keras's default "
-                f"step. Received: micro_batch_size={self.options.micro_batch_size!r} "
-                f"for model {host.name!r} of class {type(host).__name__}, which defines "
-                "its own `train_step`."
-            )
-        super().attach(host, own_step)
 
     def detach(self) -> None:
         self.state = None
@@ -203,15 +193,7 @@ class Accumulation(adapter.Accumulation):
         step = self._ensure_step()
         appliers = self._appliers()
         if appliers is None:
-            warnings.warn(
-                f"gradaccum cannot apply the open window ({self.open_micro_batches()} "
-                f"micro-batches) of {type(self.host).__name__} here: which optimizers "
-                "apply a model's own `train_step` is read from the step when it "
-                "first runs in this process, and it has not run since the window "
-                "was restored. The window is left unapplied (kept while the "
-                "model accumulates; `gradaccum.disable` drops it).",
-                stacklevel=4,
-            )
+            self.warn_appliers_unknown()
             return False
         applied_any = False
         first = None

@@ -16,7 +16,12 @@ import torch
 
 from gradaccum import _keras_common as kc
 from gradaccum.backends.torch.record import tensor
-from gradaccum.core.privacy import clip_factors, per_example_inputs, regularized_variables
+from gradaccum.core.privacy import (
+    check_example_losses,
+    clip_factors,
+    per_example_inputs,
+    regularized_variables,
+)
 
 
 def clipped_micro_batch(step, x, y, sample_weight):
@@ -44,12 +49,7 @@ def clipped_micro_batch(step, x, y, sample_weight):
         single = keras.tree.map_structure(lambda t: t[None], element)
         y_pred, _, losses = model.stateless_call(
             trainable, non_trainable, single["x"], return_losses=True, **kwargs)
-        if len(losses) > regularized:
-            raise ValueError(
-                "`privacy` needs losses that can be split per example: a layer of model "
-                f"{model.name!r} adds a loss in its call (`add_loss`), computed over "
-                "the micro-batch. Received: a model whose layers add losses."
-            )
+        check_example_losses(model, losses, regularized)
         with kc.loss_metrics_set_aside(compile_loss):
             loss = compile_loss(single.get("y"), y_pred, single.get("sample_weight"))
         return loss
