@@ -117,3 +117,33 @@ def test_a_wrapped_torch_batch_norm_is_named_as_not_followed():
         warnings.simplefilter("always")
         other.fit(x, y, batch_size=4, verbose=0)
     assert not any("running statistics" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("options", [{"steps": 2}, {"micro_batch_size": 4}])
+def test_a_skipped_micro_batch_leaves_the_per_output_losses(options):
+    # The compiled loss updates its per-output trackers before the screen: a skipped
+    # micro-batch's nan must not reach `b_loss` (History, TerminateOnNaN).
+    def two_heads():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((4,))
+        return keras.Model(inputs, {"a": keras.layers.Dense(1, name="a")(inputs),
+                                    "b": keras.layers.Dense(1, name="b")(inputs)})
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 4)).astype("float32")
+    ya, yb = rng.normal(size=(8, 1)).astype("float32"), rng.normal(size=(8, 1)).astype("float32")
+    yb[5] = np.nan  # the second micro-batch of 4
+    trained = gradaccum.accumulate(two_heads(), **options)
+    trained.compile(keras.optimizers.SGD(0.1), {"a": "mse", "b": "mse"})
+    batch = 4 if "steps" in options else 8
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        history = trained.fit(x, {"a": ya, "b": yb}, batch_size=batch, shuffle=False,
+                              verbose=0)
+    assert history.history["skipped"] == [1.0]
+    # The first micro-batch's losses only (the model's initial weights).
+    start = two_heads()
+    pred = start.predict(x[:4], verbose=0)
+    for name, y in (("a", ya), ("b", yb)):
+        expected = float(np.mean((keras.ops.convert_to_numpy(pred[name]) - y[:4]) ** 2))
+        assert history.history[f"{name}_loss"][0] == pytest.approx(expected, rel=1e-5)

@@ -202,6 +202,9 @@ class TrainStep:
         record = self.record()
         model = self.model
         tracks = tr.tracks_skips(self.policy, self.loss_scaled)
+        # (The compiled loss updates its per-output trackers, and a layer may update
+        # a metric in its call, before the screen: put back if it skips.)
+        entry_metrics = snapshot(model.metrics_variables) if tracks else None
         entry_state = self.forward_state.take() if tracks else None
         start = self.moving_start()
         loss, y_pred, weight, gradients, normalizers, weighted = self.gradients(
@@ -218,9 +221,9 @@ class TrainStep:
             self.forward_state.put_back(entry_state)
         self.follow(start, record.outcome)
         if tracks and not accepted:
-            # A skipped micro-batch stays out of the loss tracker and the metrics
-            # (the screen ran first): the logs (History, TerminateOnNaN) are the
-            # used micro-batches'.
+            # A skipped micro-batch leaves the loss tracker and the metrics: the
+            # logs (History, TerminateOnNaN) are the used micro-batches'.
+            restore(model.metrics_variables, entry_metrics)
             return model.get_metrics_result()
         kc.loss_tracker(model).update_state(
             loss.detach(), sample_weight=tr.logged_weight(self.policy, x, weight))
@@ -343,6 +346,7 @@ class TrainStep:
             micro = keras.tree.map_structure(
                 lambda t, s=start: None if t is None else t[s:s + size], data)
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(micro)
+            entry_metrics = snapshot(model.metrics_variables) if tracks else None
             entry_state = self.forward_state.take() if tracks else None
             moving = self.moving_start()
             loss, y_pred, weight, gradients, normalizers, weighted = self.gradients(
@@ -356,7 +360,9 @@ class TrainStep:
                 self.forward_state.put_back(entry_state)
             self.follow(moving, tr.Outcome(accepted, False, False))
             if tracks and not accepted:
-                # (Out of the metrics and the batch's loss: the screen ran first.)
+                # Out of the metrics (the compiled loss's per-output trackers moved
+                # before the screen) and the batch's loss.
+                restore(model.metrics_variables, entry_metrics)
                 continue
             model.compute_metrics(x, y, y_pred, sample_weight)
             # The batch's loss weighs each micro-batch as the loss tracker would.
