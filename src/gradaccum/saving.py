@@ -71,10 +71,10 @@ def restore(named: dict, pending: dict) -> None:
                     stacklevel=3,
                 )
             continue
-        dtype = keras.backend.standardize_dtype(variable.dtype)
-        if str(value.dtype) != dtype:
-            # (A bfloat16 state kept as float32 by `storable`.)
-            value = keras.ops.convert_to_numpy(keras.ops.cast(value, dtype))
+        if keras.backend.standardize_dtype(variable.dtype) == "bfloat16":
+            # A bfloat16 state kept as float32 by `storable` (other dtypes assign as
+            # they are: JAX without 64-bit mode keeps an int64 field as int32).
+            value = keras.ops.convert_to_numpy(keras.ops.cast(value, "bfloat16"))
         variable.assign(value)
 
 
