@@ -294,10 +294,13 @@ class TrainStep:
                     drop(self.record())
                 raise
         model = self.model
-        # What a try changes before its update: the state, the metrics, the
+        # What a try changes before its update: the state's fields, the metrics, the
         # non-trainable variables and a LossScaleOptimizer's scale (an overflowing
-        # micro-batch backs it off).
-        kept = list(self.state.variables.values())
+        # micro-batch backs it off). Not the sums: a split batch is its window, so
+        # they are empty when it starts, and a failed try empties them again (no
+        # copy of the model's size per batch).
+        sums = {id(v) for v in self.state.accumulators}
+        kept = [v for v in self.state.variables.values() if id(v) not in sums]
         if self.loss_scaled:
             kept += [model.optimizer.step_counter, model.optimizer.dynamic_scale]
         entry = (snapshot(kept), snapshot(model.metrics_variables),
@@ -311,6 +314,7 @@ class TrainStep:
                 # Nothing of the failed try is kept: the window starts again (and a
                 # batch that raised leaves no half-filled window behind).
                 restore(kept, entry[0])
+                self.record().empty_sums()
                 restore(model.metrics_variables, entry[1])
                 self.forward_state.put_back(entry[2])
                 clear_gradients(model, self.variables)
