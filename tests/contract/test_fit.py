@@ -4,6 +4,8 @@ same backend trained on the concatenated windows."""
 
 from __future__ import annotations
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -203,6 +205,25 @@ def test_nonfinite_micro_batch_is_skipped_with_its_weight():
     assert_weights_close(model, _reference(windows, x, y, keras.optimizers.SGD(0.5)))
     assert history.history["skipped"] == [1.0]
     assert history.history["updates"] == [3.0]
+
+
+def test_finite_gradients_whose_sum_overflows_are_not_skipped():
+    # The loss times 1e37: each gradient element is finite, but their float32 sums
+    # overflow, and the screen must not call them non-finite. With the learning rate
+    # divided by 1e37 the updates are those of the plain loss.
+    def huge(y_true, y_pred):
+        return 1e37 * keras.losses.sparse_categorical_crossentropy(y_true, y_pred,
+                                                                  from_logits=True)
+
+    x, y = data(16)
+    model = _trainer(steps=2, optimizer=keras.optimizers.SGD(2e-37), loss=huge)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="gradaccum skipped")
+        history = model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert history.history["skipped"] == [0.0]
+    assert history.history["updates"] == [2.0]
+    reference = _reference(windows_of([4] * 4, [2, 2]), x, y, keras.optimizers.SGD(2.0))
+    assert_weights_close(model, reference)
 
 
 def test_train_on_batch_after_fit_keeps_the_window_rule():

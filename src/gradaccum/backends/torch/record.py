@@ -65,12 +65,20 @@ def truth(value) -> bool:
 
 
 def all_finite(gradients):
-    """Whether every element of every gradient is finite: one fused reduction."""
-    present = [g for g in gradients if g is not None]
+    """Whether every element of every gradient is finite.
+
+    One fused reduction decides in the usual case (an inf or a nan makes the L1 norms'
+    sum non-finite). A sum that is not finite may also come from finite gradients
+    whose float32 norms overflow: only then does an element-wise check decide, so the
+    screen reports no false positive.
+    """
+    present = [g.detach() for g in gradients if g is not None]
     if not present:
         return torch.tensor(True)
-    norms = torch._foreach_norm([g.detach().float() for g in present], ord=1)
-    return torch.isfinite(torch.stack(norms).sum())
+    norms = torch._foreach_norm([g.float() for g in present], ord=1)
+    if bool(torch.isfinite(torch.stack(norms).sum())):
+        return torch.tensor(True)
+    return torch.tensor(all(bool(torch.isfinite(g).all()) for g in present))
 
 
 class FieldRecord(tr.Record):
