@@ -2,4 +2,5 @@
 
 from gradaccum.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # (not in a process the sweep spawns: it imports this module)
+    raise SystemExit(main())

