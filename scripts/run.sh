@@ -1,10 +1,32 @@
 #!/usr/bin/env bash
-# The main job of the README: sets up .venv with what the seed experiment needs
-# (tensorflow-cpu and the `experiment` extra; nothing for the tests), then runs it
-# (`gradaccum sweep`: the source's four k x b configurations, 10 runs each, plus plain
-# training at b=5) on the default data. Extra arguments go to the sweep.
+# The main job of the README: sets up .venv with what the seed experiment needs on its
+# backend, then runs it (`gradaccum sweep`: the source's four k x b configurations, 10
+# runs each, plus plain training at b=5) on the default data. Extra arguments go to the
+# sweep.
+#
+# The backend: `--backend` among the arguments, else KERAS_BACKEND, else JAX (the
+# fastest on a CPU; BENCHMARKS.md). It installs only that backend: JAX (`jax` extra),
+# tensorflow-cpu (`cpu`), or PyTorch's CPU build (torch==2.13.0, or GRADACCUM_TORCH);
+# with the `experiment` extra (tqdm, matplotlib).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-GRADACCUM_EXTRAS=cpu,experiment source "$root/scripts/setup.sh"
+backend="${KERAS_BACKEND:-jax}"
+args=("$@")
+for ((i = 0; i < ${#args[@]}; i++)); do
+  case "${args[i]}" in
+    --backend) backend="${args[i + 1]:-}" ;;
+    --backend=*) backend="${args[i]#--backend=}" ;;
+  esac
+done
+case "$backend" in
+  jax) extras=jax,experiment ;;
+  tensorflow) extras=cpu,experiment ;;
+  torch) extras=experiment ;;
+  *) echo "run.sh: the backend must be jax, tensorflow or torch, got '$backend'" >&2; exit 2 ;;
+esac
+GRADACCUM_EXTRAS=$extras source "$root/scripts/setup.sh"
+if [ "$backend" = torch ] && ! python -c "import torch" >/dev/null 2>&1; then
+  python -m pip install --quiet "${GRADACCUM_TORCH:-torch==2.13.0}"
+fi
 cd "$root"
-exec gradaccum sweep "$@"
+exec gradaccum sweep --backend "$backend" "$@"

