@@ -67,7 +67,6 @@ def test_a_sweep_on_this_backend_gives_the_splits_the_same_accuracy_run_by_run(
     assert [u for u, _ in curve] == [5, 10, 15]
 
 
-@pytest.mark.slow
 def test_runs_in_two_processes_give_the_results_of_one_and_print_no_start_up_lines(
         digits, tmp_path):
     """`--jobs 2`: two fresh interpreters on this backend, each run's result that of
