@@ -8,6 +8,16 @@
     python benchmarks/equal.py --workloads mlp --batches 8 --steps 4   # part of the grid
     python benchmarks/equal.py --cell mlp,8,4,4 --contender accumulate # one figure (JSON)
 
+    # The realistic grid: KerasHub tasks (benchmarks/hub_workloads.py), b = 4 and 8,
+    # k = 4 and 16, steps_per_execution 1; 15-20 minutes a backend on 2 cores.
+    KERAS_BACKEND=tensorflow python benchmarks/equal.py --grid realistic --write
+    KERAS_BACKEND=jax python benchmarks/equal.py --grid realistic --spe both  # and at k
+    KERAS_BACKEND=torch python benchmarks/equal.py --grid realistic --workloads gpt2_lora \
+        --batches 4 --steps 4 --repeats 1 --scale gpt2_lora=0.25             # a smoke run
+    # Their peak memory at k = 16, each contender in fresh processes (5-10 minutes).
+    KERAS_BACKEND=tensorflow python benchmarks/equal.py --memory --write
+    python benchmarks/equal_memory.py bert,8,16 accumulate  # one process's peak (JSON)
+
 Contenders, each trains `n` micro-batches of b with Adam 1e-3 through `fit`:
 
 - `plain`: plain `fit` at b (one update per micro-batch);
@@ -17,13 +27,20 @@ Contenders, each trains `n` micro-batches of b with Adam 1e-3 through `fit`:
 - `unscreened` (k = 1): the same with `nonfinite="apply"`, Keras's behaviour on a
   non-finite gradient: what the screen costs.
 
-Every cell runs at `steps_per_execution` 1 and k (micro-batches per compiled call); the
-contenders of a cell live in one process and are timed interleaved, `--repeats` times,
-after a warm-up epoch that traces. A figure is the median samples/s; a ratio is the
-median of the per-repeat ratios (neighbours in time, so a drift of the machine cancels),
-with their min and max as the spread. Nothing is asserted: the figures are read against
-the targets in BENCHMARKS.md (`benchmarks/compare.py` runs the `--cell` mode of this
-script on two commits).
+The tiny grid (`--grid tiny`, the default: benchmarks/workloads.py's MLP, CNN and
+Transformer, millisecond steps) runs every cell at `steps_per_execution` 1 and k
+(micro-batches per compiled call); the realistic grid at 1 (`--spe` picks: a
+micro-batch there takes 0.1-0.4 s, beside which a call's fixed cost is small), on 32
+micro-batches an epoch. The contenders of a cell live in one process and are timed
+interleaved, `--repeats` times, after a warm-up epoch that traces. A figure is the
+median samples/s; a ratio is the median of the per-repeat ratios (neighbours in time,
+so a drift of the machine cancels), with their min and max as the spread. Nothing is
+asserted: the figures are read against the targets in BENCHMARKS.md
+(`benchmarks/compare.py` runs the `--cell` mode of this script on two commits).
+
+`--memory` measures each contender's peak memory in fresh processes, once each
+(`--repeats` for more), for each realistic workload and b at k = 16, and prints the
+peaks and their ratios to plain fit's (benchmarks/equal_memory.py says how).
 """
 
 from __future__ import annotations
@@ -42,13 +59,19 @@ HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
+# What an epoch (a repeat) trains: samples, or for the KerasHub tasks micro-batches
+# at any b (32: 2 windows of k = 16; a micro-batch of 8 takes 0.1-0.4 s on 2 cores).
 SAMPLES = {"mlp": 8192, "cnn": 2048, "transformer": 2048}
-GRID = (("mlp", "cnn", "transformer"), (8, 32, 128), (1, 4, 16))
+MICRO_BATCHES = {"gpt2_lora": 32, "gpt2_full": 32, "bert": 32}
+GRIDS = {"tiny": (("mlp", "cnn", "transformer"), (8, 32, 128), (1, 4, 16)),
+         "realistic": (("gpt2_lora", "gpt2_full", "bert"), (4, 8), (4, 16))}
+MEMORY_GRID = (GRIDS["realistic"][0], GRIDS["realistic"][1], (16,))  # --memory
 CONTENDERS = ("plain", "builtin", "accumulate", "unscreened")
 
 
 def compiled(name: str, workload: str, k: int, spe: int):
-    """A model of `workload` compiled as contender `name` (Adam 1e-3)."""
+    """A model of `workload` compiled as contender `name` (Adam 1e-3, the workload's
+    loss; a KerasHub task adds its own default metrics, the same for every contender)."""
     import keras
     import workloads
 
@@ -73,11 +96,12 @@ def compiled(name: str, workload: str, k: int, spe: int):
 
 
 def make(name: str, workload: str, b: int, k: int, spe: int):
-    """A function `train(x, y)` that trains one epoch of (x, y) in micro-batches of b."""
+    """A function `train(arrays)` that trains one epoch of `arrays` (`fit`'s `x`, `y`
+    and `sample_weight`, as `workloads.fit_data` gives them) in micro-batches of b."""
     model = compiled(name, workload, k, spe)
 
-    def train(x, y):
-        model.fit(x, y, batch_size=b, epochs=1, shuffle=False, verbose=0)
+    def train(arrays):
+        model.fit(**arrays, batch_size=b, epochs=1, shuffle=False, verbose=0)
 
     return train
 
@@ -90,25 +114,29 @@ def contenders_for(k: int) -> list[str]:
 def measure(workload: str, b: int, k: int, spe: int, names, repeats: int,
             scale: float = 1.0) -> dict:
     """Samples/s of each contender, per repeat (interleaved, rotating the order), on
-    `scale` times the workload's samples."""
+    `scale` times the workload's samples (micro-batches)."""
     import workloads
 
     unit = k * spe // _gcd(k, spe)
-    micro = max(unit, int(SAMPLES[workload] * scale) // b // unit * unit)
-    x, y = workloads.data(workload, micro * b)
+    wanted = (MICRO_BATCHES[workload] * scale if workload in MICRO_BATCHES
+              else SAMPLES[workload] * scale // b)
+    micro = max(unit, int(wanted) // unit * unit)
+    arrays = workloads.fit_data(workload, micro * b)
+    # The warm-up traces; a KerasHub task's micro-batches are long, so one window
+    # (both branches of the update) does, the tiny workloads take two.
+    warm = min(micro, (1 if workload in workloads.HUB_WORKLOADS else 2) * unit) * b
     trainers = {}
     for name in names:
         train = make(name, workload, b, k, spe)
-        warm = min(micro, 2 * unit) * b
-        train(x[:warm], y[:warm])
+        train(workloads.head(arrays, warm))
         trainers[name] = train
     rates = {name: [] for name in names}
     for r in range(repeats):
         order = list(names[r % len(names):]) + list(names[: r % len(names)])
         for name in order:
             start = time.perf_counter()
-            trainers[name](x, y)
-            rates[name].append(len(x) / (time.perf_counter() - start))
+            trainers[name](arrays)
+            rates[name].append(micro * b / (time.perf_counter() - start))
     return rates
 
 
@@ -126,24 +154,26 @@ def ratio(rates: dict, top: str, bottom: str):
     return statistics.median(pairs), min(pairs), max(pairs)
 
 
-def cells(workloads_, batches, steps, backend="tensorflow"):
+def cells(workloads_, batches, steps, backend="tensorflow", spe="both"):
+    """(workload, b, k, steps_per_execution) of the grid; `spe` is "1", "k" or "both"."""
     for workload in workloads_:
         for b in batches:
             for k in steps:
                 # (Keras's torch trainer runs one batch per call.)
-                for spe in [1] if backend == "torch" else sorted({1, k}):
-                    yield workload, b, k, spe
+                chosen = {"1": {1}, "k": {k}, "both": {1, k}}[spe]
+                for spe_ in [1] if backend == "torch" else sorted(chosen):
+                    yield workload, b, k, spe_
 
 
 def grid(workloads_, batches, steps, repeats: int, scale: dict,
-         backend: str = "tensorflow") -> list[dict]:
+         backend: str = "tensorflow", spe: str = "both") -> list[dict]:
     rows = []
-    for workload, b, k, spe in cells(workloads_, batches, steps, backend):
+    for workload, b, k, spe_ in cells(workloads_, batches, steps, backend, spe):
         started = time.perf_counter()
-        rates = measure(workload, b, k, spe, contenders_for(k), repeats,
+        rates = measure(workload, b, k, spe_, contenders_for(k), repeats,
                         scale.get(workload, 1.0))
-        rows.append({"workload": workload, "b": b, "k": k, "spe": spe, "rates": rates})
-        print(f"{workload} b={b} k={k} spe={spe}: " + ", ".join(
+        rows.append({"workload": workload, "b": b, "k": k, "spe": spe_, "rates": rates})
+        print(f"{workload} b={b} k={k} spe={spe_}: " + ", ".join(
             f"{n} {statistics.median(v):.0f}" for n, v in rates.items())
             + f" ({time.perf_counter() - started:.0f} s)", flush=True)
     return rows
@@ -154,9 +184,13 @@ def _show(r) -> str:
 
 
 def table(rows: list[dict]) -> str:
+    """The grid's table; the nonfinite='apply' column only where a row has it (k = 1)."""
+    unscreened = any("unscreened" in row["rates"] for row in rows)
     out = ["| workload | b | k | steps_per_execution | plain fit | built-in | accumulate | "
-           "accumulate / built-in | accumulate / plain fit | nonfinite='apply' / plain fit |",
-           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |"]
+           "accumulate / built-in | accumulate / plain fit |"
+           + (" nonfinite='apply' / plain fit |" if unscreened else ""),
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"
+           + (" --- |" if unscreened else "")]
     for row in rows:
         rates = row["rates"]
 
@@ -167,17 +201,26 @@ def table(rows: list[dict]) -> str:
             f"| {row['workload']} | {row['b']} | {row['k']} | {row['spe']} | "
             f"{cell('plain')} | {cell('builtin')} | {cell('accumulate')} | "
             f"{_show(ratio(rates, 'accumulate', 'builtin'))} | "
-            f"{_show(ratio(rates, 'accumulate', 'plain'))} | "
-            f"{_show(ratio(rates, 'unscreened', 'plain'))} |")
+            f"{_show(ratio(rates, 'accumulate', 'plain'))} |"
+            + (f" {_show(ratio(rates, 'unscreened', 'plain'))} |" if unscreened else ""))
     return "\n".join(out)
 
 
-def summary(rows: list[dict], backend: str) -> str:
-    """The cells against the targets of issue 31."""
-    goal_builtin = 1.2 if backend == "jax" else 1.0
-    goal_plain = 0.9 if backend == "jax" else 0.97
+def count(values, goal: float, at_least: bool = True) -> str:
+    met = sum(v >= goal if at_least else v <= goal for v in values)
+    return (f"median {statistics.median(values):.2f}, range {min(values):.2f}-"
+            f"{max(values):.2f}; {'>=' if at_least else '<='} {goal} in {met} of "
+            f"{len(values)} cells.")
+
+
+def summary(rows: list[dict], backend: str, realistic: bool = False) -> str:
+    """The cells against the targets: issue 31's for the tiny grid, for the realistic
+    one >= 1.0 against the built-in and >= 0.97 against plain fit in every cell (a
+    micro-batch costs the same in all three)."""
+    goal_builtin = 1.2 if backend == "jax" and not realistic else 1.0
+    goal_plain = 0.9 if backend == "jax" and not realistic else 0.97
     vs_builtin = [ratio(r["rates"], "accumulate", "builtin")[0] for r in rows if r["k"] > 1]
-    if backend == "jax":
+    if backend == "jax" or realistic:
         vs_plain = [ratio(r["rates"], "accumulate", "plain")[0] for r in rows]
         plain_what = "every cell (plain fit at b)"
     else:
@@ -185,16 +228,10 @@ def summary(rows: list[dict], backend: str) -> str:
         plain_what = "k = 1"
     lines = []
     if vs_builtin:
-        lines.append(
-            f"- accumulate / built-in (k > 1): median {statistics.median(vs_builtin):.2f}, "
-            f"range {min(vs_builtin):.2f}-{max(vs_builtin):.2f}; >= {goal_builtin} in "
-            f"{sum(v >= goal_builtin for v in vs_builtin)} of {len(vs_builtin)} cells.")
+        lines.append(f"- accumulate / built-in (k > 1): {count(vs_builtin, goal_builtin)}")
     if vs_plain:
-        lines.append(
-            f"- accumulate / plain fit ({plain_what}): median "
-            f"{statistics.median(vs_plain):.2f}, range {min(vs_plain):.2f}-"
-            f"{max(vs_plain):.2f}; >= {goal_plain} in "
-            f"{sum(v >= goal_plain for v in vs_plain)} of {len(vs_plain)} cells.")
+        lines.append(f"- accumulate / plain fit ({plain_what}): "
+                     f"{count(vs_plain, goal_plain)}")
     unscreened = [ratio(r["rates"], "unscreened", "plain")[0] for r in rows
                   if "unscreened" in r["rates"]]
     if unscreened:
@@ -202,6 +239,9 @@ def summary(rows: list[dict], backend: str) -> str:
             f"- accumulate with nonfinite='apply' / plain fit (k = 1, no screen): median "
             f"{statistics.median(unscreened):.2f}, range {min(unscreened):.2f}-"
             f"{max(unscreened):.2f}.")
+    if realistic:
+        lines.append("- Peak memory at k = 16 (goal <= 1.05x plain fit): the next table "
+                     "(`--memory`).")
     return "\n".join(lines)
 
 
@@ -229,14 +269,17 @@ def environment(backend: str) -> str:
             f"Keras {keras.__version__}, {version}.")
 
 
-def markers(backend: str):
-    return (f"<!-- generated by benchmarks/equal.py ({backend}): begin -->",
-            f"<!-- generated by benchmarks/equal.py ({backend}): end -->")
+def markers(backend: str, section: str = ""):
+    """The marks around a generated section: the tiny grid's, `realistic` or
+    `realistic memory`."""
+    label = f"{section}, {backend}" if section else backend
+    return (f"<!-- generated by benchmarks/equal.py ({label}): begin -->",
+            f"<!-- generated by benchmarks/equal.py ({label}): end -->")
 
 
-def write_section(text: str, backend: str) -> None:
+def write_section(text: str, backend: str, section: str = "") -> None:
     path = ROOT / "BENCHMARKS.md"
-    begin, end = markers(backend)
+    begin, end = markers(backend, section)
     current = path.read_text()
     if begin not in current:
         raise SystemExit(f"BENCHMARKS.md has no section marked {begin!r}")
@@ -251,15 +294,24 @@ def _ints(text):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", type=lambda s: s.split(","), default=GRID[0])
-    parser.add_argument("--batches", type=_ints, default=GRID[1])
-    parser.add_argument("--steps", type=_ints, default=GRID[2])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--grid", choices=tuple(GRIDS), default="tiny",
+                        help="the workloads, b and k unless given (default: %(default)s)")
+    parser.add_argument("--workloads", type=lambda s: s.split(","))
+    parser.add_argument("--batches", type=_ints)
+    parser.add_argument("--steps", type=_ints)
+    parser.add_argument("--spe", choices=("1", "k", "both"),
+                        help="steps_per_execution 1, k or both (TensorFlow and JAX; "
+                        "default: both on the tiny grid, 1 on the realistic one)")
+    parser.add_argument("--repeats", type=int,
+                        help="interleaved repeats (default: 3; 1 with --memory)")
     parser.add_argument("--scale", default="", help="more samples for some workloads, "
                         "e.g. mlp=8 (JAX trains the MLP in a few ms a call)")
     parser.add_argument("--json", type=pathlib.Path, help="also write the rows here")
     parser.add_argument("--write", action="store_true",
                         help="replace this backend's generated table in BENCHMARKS.md")
+    parser.add_argument("--memory", action="store_true",
+                        help="peak memory of plain fit, the built-in and accumulate, each "
+                        "in fresh processes (default: the realistic workloads, k = 16)")
     parser.add_argument("--cell", help="workload,b,k,steps_per_execution: one contender's "
                         "samples/s per repeat, as JSON (benchmarks/compare.py)")
     parser.add_argument("--contender", default="accumulate", choices=CONTENDERS)
@@ -270,25 +322,42 @@ def main(argv=None):
     if args.cell:
         workload, *numbers = args.cell.split(",")
         b, k, spe = (int(v) for v in numbers)
-        rates = measure(workload, b, k, spe, [args.contender], args.repeats)
+        rates = measure(workload, b, k, spe, [args.contender], args.repeats or 3)
         print(json.dumps({"cell": args.cell, "contender": args.contender,
                           "rates": rates[args.contender]}))
         return
-    scale = {name: float(value) for name, value in
-             (item.split("=") for item in args.scale.split(",") if item)}
+    defaults = MEMORY_GRID if args.memory else GRIDS[args.grid]
+    workloads_ = args.workloads or defaults[0]
+    batches = args.batches or defaults[1]
+    steps = args.steps or defaults[2]
+    realistic = args.memory or args.grid == "realistic"
     started = time.perf_counter()
-    rows = grid(args.workloads, args.batches, args.steps, args.repeats, scale, backend)
+    if args.memory:
+        import equal_memory
+
+        repeats = args.repeats or 1
+        rows = equal_memory.compare(workloads_, batches, steps, repeats)
+        body = [equal_memory.table(rows), "", equal_memory.summary(rows)]
+        section = "realistic memory"
+    else:
+        repeats = args.repeats or 3
+        scale = {name: float(value) for name, value in
+                 (item.split("=") for item in args.scale.split(",") if item)}
+        rows = grid(workloads_, batches, steps, repeats, scale, backend,
+                    args.spe or ("1" if realistic else "both"))
+        body = [table(rows), "", summary(rows, backend, realistic)]
+        section = "realistic" if realistic else ""
     if args.json:
         args.json.write_text(json.dumps({"backend": backend, "rows": rows}, indent=1))
     command = f"KERAS_BACKEND={backend} python benchmarks/equal.py " + " ".join(
         a for a in (argv if argv is not None else sys.argv[1:]))
     text = "\n".join([
         f"Command: `{command.strip()}` ({time.perf_counter() - started:.0f} s, "
-        f"{args.repeats} interleaved repeats). " + environment(backend), "",
-        table(rows), "", summary(rows, backend)])
+        f"{repeats} {'fresh processes per contender' if args.memory else 'interleaved repeats'}"
+        f"). " + environment(backend), "", *body])
     print(text)
     if args.write:
-        write_section(text, backend)
+        write_section(text, backend, section)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,24 @@
-"""Benchmark workloads: the experiment's MLP, a small CNN, a small Transformer encoder."""
+"""Benchmark workloads: the experiment's MLP, a small CNN, a small Transformer encoder,
+and the realistic KerasHub tasks of benchmarks/hub_workloads.py (`HUB_WORKLOADS`)."""
 
 from __future__ import annotations
 
 import pathlib
 import platform
 
+import hub_workloads
 import keras
 import numpy as np
 
 WORKLOADS = ("mlp", "cnn", "cnn_bn", "transformer")
+HUB_WORKLOADS = hub_workloads.NAMES
 SEQ_LEN, VOCAB = 64, 1000
 
 
 def build(name: str, seed: int = 0) -> keras.Model:
     keras.utils.set_random_seed(seed)
+    if name in HUB_WORKLOADS:
+        return hub_workloads.build(name)
     if name == "mlp":
         inputs = keras.Input((28, 28))
         h = keras.layers.Flatten()(inputs)
@@ -57,6 +62,22 @@ def data(name: str, n: int, seed: int = 0):
         x = rng.integers(0, VOCAB, (n, SEQ_LEN)).astype("int32")
         y = rng.integers(0, 2, n)
     return x, y
+
+
+def fit_data(name: str, n: int, seed: int = 0) -> dict:
+    """`fit`'s keyword arguments for n samples of any workload: `x`, `y` and, where the
+    task weighs its targets (GPT-2's padding mask), `sample_weight`."""
+    if name in HUB_WORKLOADS:
+        return hub_workloads.data(name, n, seed)
+    x, y = data(name, n, seed)
+    return {"x": x, "y": y}
+
+
+def head(arrays, n: int):
+    """The first n samples of `fit_data`'s arguments (dicts of arrays included)."""
+    if isinstance(arrays, dict):
+        return {key: head(value, n) for key, value in arrays.items()}
+    return arrays[:n]
 
 
 def loss():
