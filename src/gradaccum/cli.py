@@ -179,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run each KxB as batches of K*B split into micro-batches of B "
                             "inside the step (default: K batches of B per update)")
     sweep.add_argument("--no-contrast", dest="contrast", action="store_false",
-                       help="skip plain training at the smallest b without accumulation")
+                       help="skip plain Keras training at the smallest b (the contrast: "
+                            "one update per micro-batch, no gradaccum)")
     sweep.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/sweep"),
                        help="folder for results.json, results.csv and sweep.png "
                             "(default runs/sweep)")
@@ -409,7 +410,9 @@ def _sweep(parser, args) -> int:
                for k, b in args.configs]
     if args.contrast:
         smallest = min(configs, key=lambda c: c[0].batch_size)[0]
-        configs.append((Config(1, smallest.batch_size, smallest.iterations), True))
+        # Plain Keras training at that b: one update per micro-batch, no gradaccum.
+        configs.append((Config(1, smallest.batch_size, smallest.iterations, plain=True),
+                        True))
     for config, _ in configs:
         _check_batch(parser, args, data, _batch_of(config))
     form = "split form, " if args.split else ""

@@ -19,12 +19,14 @@ class Config:
     k of them. `split=True`: fit gets batches of k*b and
     `gradaccum.wrap(micro_batch_size=b)` splits each inside the step. With the same
     seed both see the same samples in the same order and make the same updates.
+    `plain=True` (k = 1): plain Keras training, without gradaccum (the contrast).
     """
 
     steps: int
     batch_size: int
     iterations: int
     split: bool = False
+    plain: bool = False
 
     @property
     def form(self) -> str:
@@ -97,7 +99,8 @@ def run_once(
     steps_per_execution: int = 100,
     privacy: dict | None = None,
 ) -> RunResult:
-    """Trains a fresh network with `gradaccum.wrap` (in the form `config` says) and
+    """Trains a fresh network with `gradaccum.wrap` (in the form `config` says; plain
+    Keras for `config.plain`) and
     returns its test accuracy. `privacy`: `gradaccum.Privacy`'s arguments (DP-SGD),
     and `seeded`: whether the noise takes the run's seed (else the system's entropy)."""
     import keras
@@ -116,7 +119,12 @@ def run_once(
         # nothing.
         noise_seed = seed if privacy.pop("seeded", False) else None
         private = gradaccum.Privacy(seed=noise_seed, **privacy)
-    if config.split:
+    if config.plain:
+        if config.steps != 1 or config.split or private is not None:
+            raise ValueError("plain Keras training is one update per batch (k = 1), "
+                             f"without privacy. Received: {config}")
+        trainer, batches, batch_size = net, config.iterations, config.batch_size
+    elif config.split:
         # One batch of k*b per update, split inside the step.
         trainer = gradaccum.wrap(net, micro_batch_size=config.batch_size, privacy=private)
         batches, batch_size = config.updates, config.steps * config.batch_size
@@ -144,7 +152,8 @@ def run_once(
                               batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
         scores = trainer.evaluate(data.x_test, data.y_test, batch_size=2000, verbose=0,
                                   return_dict=True)
-        updates.append(int(history.history["updates"][-1]))
+        updates.append(int(history.history["updates"][-1]) if not config.plain
+                       else int(trainer.optimizer.iterations))
         accuracy.append(100.0 * float(scores["accuracy"]))
     wall = time.perf_counter() - start
     return RunResult(
