@@ -134,10 +134,18 @@ def measure(workload: str, b: int, k: int, spe: int, names, repeats: int,
     for r in range(repeats):
         order = list(names[r % len(names):]) + list(names[: r % len(names)])
         for name in order:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             trainers[name](arrays)
             rates[name].append(micro * b / (time.perf_counter() - start))
+            CPU_RATES.setdefault(name, []).append(micro * b / (time.process_time() - cpu))
     return rates
+
+
+# Samples per CPU-second of the last `measure`, per contender and repeat: the work a
+# contender does, whatever share of the cores the machine gave it (on the project's
+# 2-core machine a multi-threaded epoch sometimes runs on one core, its wall time
+# doubled at the same CPU time).
+CPU_RATES: dict = {}
 
 
 def _gcd(a: int, b: int) -> int:
@@ -170,9 +178,11 @@ def grid(workloads_, batches, steps, repeats: int, scale: dict,
     rows = []
     for workload, b, k, spe_ in cells(workloads_, batches, steps, backend, spe):
         started = time.perf_counter()
+        CPU_RATES.clear()
         rates = measure(workload, b, k, spe_, contenders_for(k), repeats,
                         scale.get(workload, 1.0))
-        rows.append({"workload": workload, "b": b, "k": k, "spe": spe_, "rates": rates})
+        rows.append({"workload": workload, "b": b, "k": k, "spe": spe_, "rates": rates,
+                     "cpu_rates": dict(CPU_RATES)})
         print(f"{workload} b={b} k={k} spe={spe_}: " + ", ".join(
             f"{n} {statistics.median(v):.0f}" for n, v in rates.items())
             + f" ({time.perf_counter() - started:.0f} s)", flush=True)
@@ -186,11 +196,14 @@ def _show(r) -> str:
 def table(rows: list[dict]) -> str:
     """The grid's table; the nonfinite='apply' column only where a row has it (k = 1)."""
     unscreened = any("unscreened" in row["rates"] for row in rows)
+    cpu = all("cpu_rates" in row for row in rows)
     out = ["| workload | b | k | steps_per_execution | plain fit | built-in | accumulate | "
            "accumulate / built-in | accumulate / plain fit |"
-           + (" nonfinite='apply' / plain fit |" if unscreened else ""),
+           + (" nonfinite='apply' / plain fit |" if unscreened else "")
+           + (" CPU time: accumulate / built-in | CPU time: accumulate / plain fit |"
+              if cpu else ""),
            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"
-           + (" --- |" if unscreened else "")]
+           + (" --- |" if unscreened else "") + (" --- | --- |" if cpu else "")]
     for row in rows:
         rates = row["rates"]
 
@@ -202,7 +215,9 @@ def table(rows: list[dict]) -> str:
             f"{cell('plain')} | {cell('builtin')} | {cell('accumulate')} | "
             f"{_show(ratio(rates, 'accumulate', 'builtin'))} | "
             f"{_show(ratio(rates, 'accumulate', 'plain'))} |"
-            + (f" {_show(ratio(rates, 'unscreened', 'plain'))} |" if unscreened else ""))
+            + (f" {_show(ratio(rates, 'unscreened', 'plain'))} |" if unscreened else "")
+            + (f" {_show(ratio(row['cpu_rates'], 'accumulate', 'builtin'))} |"
+               f" {_show(ratio(row['cpu_rates'], 'accumulate', 'plain'))} |" if cpu else ""))
     return "\n".join(out)
 
 
@@ -239,6 +254,15 @@ def summary(rows: list[dict], backend: str, realistic: bool = False) -> str:
             f"- accumulate with nonfinite='apply' / plain fit (k = 1, no screen): median "
             f"{statistics.median(unscreened):.2f}, range {min(unscreened):.2f}-"
             f"{max(unscreened):.2f}.")
+    if all("cpu_rates" in r for r in rows):
+        cpu_builtin = [ratio(r["cpu_rates"], "accumulate", "builtin")[0] for r in rows
+                       if r["k"] > 1]
+        cpu_plain = [ratio(r["cpu_rates"], "accumulate", "plain")[0] for r in rows]
+        if cpu_builtin:
+            lines.append(f"- In CPU time, accumulate / built-in (k > 1): "
+                         f"{count(cpu_builtin, goal_builtin)}")
+        lines.append(f"- In CPU time, accumulate / plain fit (every cell): "
+                     f"{count(cpu_plain, goal_plain)}")
     if realistic:
         lines.append("- Peak memory at k = 16 (goal <= 1.05x plain fit): the next table "
                      "(`--memory`).")
