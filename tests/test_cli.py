@@ -145,12 +145,36 @@ def test_help_states_the_std_and_runs_as_a_module():
         (["train", "--dp-clip", "0"], "argument --dp-clip: must be a number > 0, got '0'"),
         (["train", "--dp-clip", "1", "--dp-noise", "-1"],
          "argument --dp-noise: must be a number >= 0, got '-1'"),
+        (["sweep", "--backend", "numpy"],
+         "argument --backend: invalid choice: 'numpy' (choose from 'jax', 'tensorflow', "
+         "'torch')"),
+        (["sweep", "--jobs", "0"], "argument --jobs: must be an integer >= 1, got '0'"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(capsys, argv, message):
     code, err = exit_of(capsys, *argv)
     assert code == 2
     assert err == f"gradaccum {argv[0]}: error: {message}\n"
+
+
+def test_a_backend_other_than_this_processs_keras_is_refused(capsys):
+    # This process's Keras runs on TensorFlow (the suite's first process).
+    code, err = exit_of(capsys, "sweep", "--backend", "jax")
+    assert code == 2
+    assert err == ("gradaccum sweep: error: --backend jax: Keras already runs on "
+                   "tensorflow in this process (Keras fixes its backend when first "
+                   "imported)\n")
+
+
+def test_an_unknown_keras_backend_variable_is_named(monkeypatch, capsys):
+    import sys as sys_
+
+    monkeypatch.setitem(sys_.modules, "keras", None)  # as if Keras were not imported yet
+    monkeypatch.setenv("KERAS_BACKEND", "numpy")
+    code, err = exit_of(capsys, "train")
+    assert code == 2
+    assert err == ("gradaccum train: error: KERAS_BACKEND='numpy' is not one of jax, "
+                   "tensorflow, torch (or pass --backend)\n")
 
 
 def test_missing_data_path(capsys, tmp_path):
