@@ -6,8 +6,10 @@
 #
 # The backend: `--backend` among the arguments, else KERAS_BACKEND, else JAX (the
 # fastest on a CPU; BENCHMARKS.md). It installs only that backend: JAX (`jax` extra),
-# tensorflow-cpu (`cpu`), or PyTorch's CPU build (torch==2.13.0, or GRADACCUM_TORCH);
-# with the `experiment` extra (tqdm, matplotlib).
+# tensorflow-cpu (`cpu`), or PyTorch (torch==2.13.0, as test.sh: the CPU build where
+# pip's configured wheels hold it, as on the project's machines; on PyPI's Linux index
+# it is the CUDA build, so elsewhere set GRADACCUM_TORCH="torch --index-url
+# https://download.pytorch.org/whl/cpu"); with the `experiment` extra (tqdm, matplotlib).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 backend="${KERAS_BACKEND:-jax}"
@@ -26,7 +28,9 @@ case "$backend" in
 esac
 GRADACCUM_EXTRAS=$extras source "$root/scripts/setup.sh"
 if [ "$backend" = torch ] && ! python -c "import torch" >/dev/null 2>&1; then
-  python -m pip install --quiet "${GRADACCUM_TORCH:-torch==2.13.0}"
+  # (Unquoted: GRADACCUM_TORCH may hold pip options.)
+  # shellcheck disable=SC2086
+  python -m pip install --quiet ${GRADACCUM_TORCH:-torch==2.13.0}
 fi
 cd "$root"
 exec gradaccum sweep --backend "$backend" "$@"

@@ -212,10 +212,15 @@ class Accumulation(abc.ABC):
                 history = fit(x, y, batch_size=batch_size, epochs=epochs_, verbose=verbose,
                               callbacks=callbacks, **kwargs)
         except BaseException:
+            self.fit_failed()
             epochs.after_fit(self, failed=True)
             raise
         epochs.after_fit(self)
         return history
+
+    def fit_failed(self) -> None:
+        """`fit` raised: what the backend drops with it."""
+        return None
 
     def fitting(self, hook):
         """The context `fit` runs in: the hook told the epoch's length as Keras's

@@ -104,3 +104,44 @@ def test_a_skipped_micro_batch_leaves_the_batch_statistics_as_they_were():
     for ours, theirs in zip(statistics, reference.layers[0].non_trainable_variables):
         np.testing.assert_allclose(ours, theirs.numpy(), rtol=1e-6)
     assert np.isfinite(model.predict(x[:4], verbose=0)).all()
+
+
+# The step's error flag is read one call late (JAX's dispatch runs ahead) ---------------
+
+
+def _raising_line():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    gradaccum.accumulate(model, steps=2, nonfinite="raise")
+    x, y = np.ones((8, 3), "float32"), np.ones((8, 1), "float32")
+    return model, x, y
+
+
+def test_an_error_in_the_epochs_last_call_is_raised_before_validation_applies_the_window():
+    model, x, y = _raising_line()
+    bad = x.copy()
+    bad[7] = np.inf  # micro-batch 8: the second of window 4
+    with pytest.raises(FloatingPointError, match="micro-batch 8 "):
+        model.fit(bad, y, batch_size=1, verbose=0, shuffle=False,
+                  validation_data=(x[:2], y[:2]))
+    # Windows 1-3 applied; window 4 (micro-batch 7 and the bad one) was not.
+    assert int(model.optimizer.iterations.numpy()) == 3
+
+
+def test_a_fit_stopped_by_a_callback_leaves_no_step_error_to_the_next_fit():
+    model, x, y = _raising_line()
+    bad = x.copy()
+    bad[3] = np.inf
+
+    class Stop(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 3:
+                raise KeyboardInterrupt
+
+    with pytest.raises((KeyboardInterrupt, FloatingPointError)):
+        model.fit(bad, y, batch_size=1, verbose=0, shuffle=False, callbacks=[Stop()])
+    before = int(model.optimizer.iterations.numpy())
+    model.fit(x, y, batch_size=1, verbose=0, shuffle=False)  # clean data: no error
+    # Micro-batch 3 was still open in window 2: with the 8 new ones, 9 micro-batches
+    # make 4 windows of 2 and the partial one flushed at the end.
+    assert int(model.optimizer.iterations.numpy()) == before + 5

@@ -53,15 +53,16 @@ def default_jobs(tasks: int) -> int:
 def limit_threads(backend: str, threads: int) -> None:
     """Caps the backend's CPU threads at `threads`, before Keras is imported.
 
-    JAX (XLA's CPU client) and TensorFlow read their settings from the environment
-    when they start; PyTorch's is set on import here.
+    JAX (XLA's CPU client: one thread or its default, no count in between) and
+    TensorFlow read their settings from the environment when they start; PyTorch's
+    is set on import here.
     """
     threads = str(threads)
     os.environ["OMP_NUM_THREADS"] = threads
     if backend == "jax":
         flags = os.environ.get("XLA_FLAGS", "")
-        os.environ["XLA_FLAGS"] = (f"{flags} --xla_cpu_multi_thread_eigen=false "
-                                   f"intra_op_parallelism_threads={threads}").strip()
+        if threads == "1":
+            os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_multi_thread_eigen=false".strip()
     elif backend == "tensorflow":
         os.environ["TF_NUM_INTRAOP_THREADS"] = threads
         os.environ["TF_NUM_INTEROP_THREADS"] = threads

@@ -208,6 +208,22 @@ class Accumulation(adapter.Accumulation):
             self.synced(hook)
             self.raise_step_error()
 
+    def before_evaluate(self, kwargs) -> None:
+        # Validation inside fit comes before the epoch's end: an error of the last
+        # call is raised before the open window is applied (the state is synced).
+        if kwargs.get("_use_cached_eval_dataset"):
+            pending, self._pending_error = self._pending_error, None
+            if pending is not None and bool(pending):
+                self.raise_step_error()
+        super().before_evaluate(kwargs)
+
+    def fit_failed(self) -> None:
+        # A fit that ended by another error (a callback's, Ctrl-C) before the flag
+        # was read: its step error goes with it, not into the next fit.
+        pending, self._pending_error = self._pending_error, None
+        if pending is not None and bool(pending) and self.state is not None:
+            self.state.error.assign(0)
+
     def end_of_data(self) -> None:
         """The data ended: the open window is flushed or dropped as `partial` says
         (kept with `"carry"`)."""
