@@ -21,6 +21,7 @@ from keras.src.losses.loss import (  # noqa: F401 (re-exported)
     squeeze_or_expand_to_same_rank,
 )
 from keras.src.losses.losses import LossFunctionWrapper  # noqa: F401 (re-exported)
+from keras.src.trainers.epoch_iterator import EpochIterator
 from keras.src.trainers.trainer import Trainer
 from keras.src.utils.io_utils import ask_to_proceed_with_overwrite  # noqa: F401 (re-exported)
 
@@ -34,6 +35,10 @@ PRIVATE_PIECES = (
     (keras.layers.Layer, "_flatten_layers", ("include_self", "recursive")),
     (Trainer, "_compute_loss", ("x", "y", "y_pred", "sample_weight", "training")),
     (Trainer, "_symbolic_build", ("iterator", "data_batch")),
+    # gradaccum.exact_epochs: an epoch's last call takes only what is left of it.
+    (EpochIterator, "_enumerate_iterator", ()),
+    (EpochIterator, "_get_iterator", ()),
+    (EpochIterator, "_interrupted_warning", ()),
     (keras.src.backend.common.stateless_scope, "get_stateless_scope", ()),
     (keras.src.backend.common.stateless_scope.StatelessScope, "get_current_value",
      ("variable",)),
@@ -247,16 +252,21 @@ def overriding(obj, **methods):
 
 
 @contextlib.contextmanager
-def observing_epoch_length(model, hook):
-    """Within the block (a `fit`), `hook.epoch_length` is set to the number of
-    batches per epoch as Keras's epoch iterator counts it (None if unknown).
+def observing_epochs(model, hook=None):
+    """Within the block (a `fit` or an `evaluate`), every epoch iterator the model's
+    trainer builds yields exactly the batches its length asks for
+    (`gradaccum.exact_epochs`), and `hook.epoch_length` is set to the number of
+    batches per epoch of the first (the training data's; None if unknown).
 
     Keras gives that count to callbacks as `params["steps"]` only when it builds the
-    CallbackList itself; its `fit` hands the epoch iterator to its symbolic build
-    in every case, before the first callback event (`_maybe_symbolic_build` on
-    TensorFlow, `_symbolic_build` on JAX).
+    CallbackList itself; its `fit` and `evaluate` hand the epoch iterator to their
+    symbolic build in every case, before the first callback event
+    (`_maybe_symbolic_build` on TensorFlow, `_symbolic_build` elsewhere).
     """
+    from gradaccum import exact_epochs
+
     observed = {}
+    seen = []
     for name in ("_maybe_symbolic_build", "_symbolic_build"):
         build = getattr(model, name, None)
         if build is None:
@@ -264,7 +274,10 @@ def observing_epoch_length(model, hook):
 
         def observe(*args, iterator=None, _build=build, **kwargs):
             if iterator is not None:
-                hook.epoch_length = iterator.num_batches
+                exact_epochs.make_exact(iterator)
+                if hook is not None and not seen:
+                    seen.append(iterator)
+                    hook.epoch_length = iterator.num_batches
             return _build(*args, iterator=iterator, **kwargs)
 
         observed[name] = observe

@@ -16,7 +16,6 @@ new backend writes.
 from __future__ import annotations
 
 import abc
-import contextlib
 import warnings
 from typing import NamedTuple
 
@@ -186,8 +185,9 @@ class Accumulation(abc.ABC):
         return 1
 
     def evaluating(self):
-        """The context `evaluate` runs in."""
-        return contextlib.nullcontext()
+        """The context `evaluate` runs in: its `steps` (`validation_steps` in `fit`)
+        count batches as at one batch per call, whatever `steps_per_execution`."""
+        return kc.observing_epochs(self.host)
 
     def before_evaluate(self, kwargs) -> None:
         if kwargs.get("_use_cached_eval_dataset"):
@@ -226,7 +226,7 @@ class Accumulation(abc.ABC):
         """The context `fit` runs in: the hook told the epoch's length as Keras's
         epoch iterator counts it, whatever callbacks `fit` was given (a caller's
         `CallbackList` gets no `params["steps"]`); a backend adds its own (workers)."""
-        return kc.observing_epoch_length(self.host, hook)
+        return kc.observing_epochs(self.host, hook)
 
     def epoch_length(self, hook) -> int | None:
         """Batches per epoch of the running fit (None: unknown)."""

@@ -116,7 +116,10 @@ class Accumulation(adapter.Accumulation):
     def evaluating(self):
         """The context `evaluate` runs in (each worker's own evaluation under
         MultiWorkerMirroredStrategy)."""
-        return kc.across_workers(self.host)
+        stack = contextlib.ExitStack()
+        stack.enter_context(kc.across_workers(self.host))
+        stack.enter_context(super().evaluating())
+        return stack
 
     # fit -----------------------------------------------------------------------
 
