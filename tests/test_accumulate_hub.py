@@ -55,6 +55,27 @@ def test_gpt2_task_with_a_partial_last_window():
     assert history.history["updates"] == [2.0]
 
 
+def test_gpt2_task_on_a_repeated_dataset_trains_the_micro_batches_steps_per_epoch_asks():
+    # The usual pipeline: strings batched by 4 and repeated forever; an epoch is 5
+    # micro-batches (steps_per_epoch), windows of 3: per epoch 12 + 8 strings, the
+    # second epoch going on from the 21st string of the stream.
+    texts = hub_models.make_texts()[:20]
+    task = gradaccum.accumulate(hub_models.make_task(seed=0), steps=3)
+    # Compiled again under accumulation: three micro-batches per call, gradaccum's
+    # default (a task compiled before keeps its own).
+    hub_models.compile_task(task, keras.optimizers.SGD(1.0))
+    assert task.steps_per_execution == 3
+    dataset = tf.data.Dataset.from_tensor_slices(texts).batch(4).repeat()
+    history = task.fit(dataset, epochs=2, steps_per_epoch=5, verbose=0)
+    reference = hub_models.reference_fit_on_windows(
+        hub_models.make_task(seed=0), texts, [12, 8], epochs=2,
+        optimizer=keras.optimizers.SGD(1.0),
+    )
+    assert max_gap(task, hub_models.make_task(seed=0)) > 1e-3
+    assert_weights_close(task, reference, rtol=1e-5)
+    assert history.history["updates"] == [2.0, 4.0]
+
+
 def test_gpt2_task_generates_and_saves_as_plain_keras_hub(trained_24, tmp_path):
     task, reference, _ = trained_24
     generated = task.generate("the", max_length=8)

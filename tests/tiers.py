@@ -111,6 +111,8 @@ FEATURES = {
         "test_masked_sequences_of_unequal_length_with_sample_weights_are_exact",
     "every backend: schedules":
         "contract/test_fit.py::test_a_schedule_of_steps_by_update_index",
+    "every backend: steps_per_epoch counts micro-batches, not calls":
+        "contract/test_epochs.py::test_steps_per_epoch_trains_exactly_n_micro_batches[3-4]",
     "every backend: resuming inside a window":
         "contract/test_fit.py::test_save_weights_in_the_middle_of_a_window_resumes_exactly",
     "every backend: the weights and the window state one pair (a backup's fallback)":
@@ -176,6 +178,23 @@ FEATURES = {
 }
 
 SLOW = [
+    # Epochs (issue 53): the fast tier keeps one case of the table on each backend.
+    *(f"contract/test_epochs.py::test_steps_per_epoch_trains_exactly_n_micro_batches[{case}]"
+      for case in ("4-6", "5-7", "3-3", "3-2", "2-6")),
+    *(f"contract/test_epochs.py::{name}" for name in (
+        "test_each_partial_policy_closes_the_epochs_rest_as_it_says",
+        "test_every_data_source_gives_the_same_micro_batches",
+        "test_data_that_runs_out_before_the_epoch_ends_as_plain_keras_does",
+        "test_a_users_steps_per_execution_that_is_not_a_multiple_of_the_window",
+        "test_a_models_own_train_step",
+        "test_split_mode_an_epoch_is_n_batches_each_one_update",
+        "test_validation_sees_the_epochs_last_update_on_the_batches_asked_for",
+        "test_evaluate_steps_count_batches_whatever_steps_per_execution",
+        "test_fit_twice_goes_on_where_the_first_ended_with_a_carried_window",
+        "test_backup_and_restore_inside_an_epoch_given_by_steps_per_epoch",
+    )),
+    # benchmarks/gpu.py --tiny on JAX and PyTorch (child processes).
+    "test_gpu_benchmark.py",
     # Out of the fast tier to keep it near 5 minutes (each feature keeps a row
     # of its own there: FEATURES).
     "test_defects.py::test_an_optimizer_applied_twice_per_batch_is_warned_about_once_per_fit",
@@ -425,6 +444,7 @@ HUB = [
     "test_accumulate_hub.py",
     "jax_backend/test_jax_hub.py",
     "torch_backend/test_torch_hub.py",
+    "test_gpu_benchmark.py",
 ]
 
 MULTI_DEVICE = [
@@ -442,6 +462,7 @@ MULTI_DEVICE = [
 ]
 
 SUBPROCESS = [
+    "test_gpu_benchmark.py",
     "contract/test_kill_during_save.py",
     "contract/test_experiment.py::"
     "test_runs_in_two_processes_give_the_results_of_one_and_print_no_start_up_lines",
