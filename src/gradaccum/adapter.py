@@ -232,8 +232,21 @@ class Accumulation(abc.ABC):
         """Batches per epoch of the running fit (None: unknown)."""
         return hook.epoch_length or (hook.params or {}).get("steps") or None
 
-    def after_batch(self, hook, logs) -> None:
-        """After each compiled call of `fit` (the hook's `on_train_batch_end`)."""
+    def batch_end_async_safe(self) -> bool:
+        """Whether the hook's batch end may run in Keras's worker thread, while the
+        next calls are dispatched (unless the backend must act on a call's result
+        before the next runs)."""
+        return True
+
+    def before_batch(self, hook) -> None:
+        """Before each compiled call of `fit`, in the fit's thread (the hook's
+        `on_train_batch_begin`)."""
+        return None
+
+    def after_batch(self, hook, logs, deferred: bool = False) -> None:
+        """After each compiled call of `fit` (the hook's `on_train_batch_end`), and
+        with the epoch's logs at its end. `deferred`: in Keras's worker thread,
+        where nothing may touch the model (the fit's thread goes on)."""
         return None
 
     def synced(self, hook) -> None:

@@ -120,8 +120,8 @@ def _common(parser: argparse.ArgumentParser, runs_default: int) -> None:
                              "installed: " + ", ".join(BACKENDS) + ")")
     parser.add_argument("--jobs", type=_positive_int, default=None,
                         help="runs trained side by side, one process each (default: one "
-                             "per CPU core, 1 with an NVIDIA GPU); a run's result does "
-                             "not depend on it")
+                             "per CPU core; 4 sharing the GPU where the backend computes "
+                             "on one); a run's result does not depend on it")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -296,7 +296,7 @@ def _options(args) -> dict:
 def _jobs(args, tasks: int) -> int:
     from gradaccum.experiments.parallel import default_jobs
 
-    return min(args.jobs, tasks) if args.jobs else default_jobs(tasks)
+    return min(args.jobs, tasks) if args.jobs else default_jobs(tasks, args.backend)
 
 
 def _where(backend: str, jobs: int) -> str:

@@ -10,6 +10,8 @@ writes the epoch's log entries and warns. It speaks to the model's accumulation
 
 from __future__ import annotations
 
+import threading
+
 import keras
 
 EMPTY_FIT = (
@@ -21,6 +23,14 @@ EMPTY_FIT = (
 class EpochHook(keras.callbacks.Callback):
     """Runs first among fit's callbacks: the epoch's position and length, the window
     the data ends in, the epoch's log entries and the warnings.
+
+    Its batch end is safe to run asynchronously (`async_safe`, unless the backend
+    must see a batch's result before the next: `Accumulation.batch_end_async_safe`),
+    so Keras keeps dispatching `fit`'s calls while a worker thread reads the last
+    one's logs, as in plain `fit`: the accelerator never waits for the host. There
+    it only reads the logs; what must happen in the fit's own thread (raising an
+    error the step recorded) happens at the next batch's beginning or the epoch's
+    end.
 
     Args:
         accumulation: the model's `gradaccum.adapter.Accumulation`.
@@ -36,6 +46,10 @@ class EpochHook(keras.callbacks.Callback):
         self.calls = 0
         self.first_epoch = True
 
+    @property
+    def async_safe(self) -> bool:
+        return self.accumulation.batch_end_async_safe()
+
     def _field(self, name):
         accumulation = self.accumulation
         accumulation.synced(self)
@@ -48,6 +62,7 @@ class EpochHook(keras.callbacks.Callback):
         accumulation.skipped_at_start = accumulation.skipped()
         self.first_epoch = True
         self.calls = 0
+        self._fit_thread = threading.get_ident()
 
     def on_epoch_begin(self, epoch, logs=None):
         epoch_step = self._field("epoch_step")
@@ -58,9 +73,14 @@ class EpochHook(keras.callbacks.Callback):
         epoch_step.assign(0)
         self.first_epoch = False
 
+    def on_train_batch_begin(self, batch, logs=None):
+        self.accumulation.before_batch(self)
+
     def on_train_batch_end(self, batch, logs=None):
         self.calls += 1
-        self.accumulation.after_batch(self, logs)
+        # In a worker thread where Keras dispatches batch ends asynchronously.
+        deferred = threading.get_ident() != self._fit_thread
+        self.accumulation.after_batch(self, logs, deferred=deferred)
 
     def on_epoch_end(self, epoch, logs=None):
         accumulation = self.accumulation

@@ -92,7 +92,8 @@ class Accumulation(adapter.Accumulation):
         self._variables = []
         # micro_batch_size="auto": the step compiled for each size tried.
         self._sized_steps = {}
-        # The error flag of the last compiled call, read at the next one's end.
+        # Whether a compiled call's logs showed the step's error flag (raised in
+        # the fit's thread).
         self._pending_error = None
 
     def detach(self) -> None:
@@ -190,20 +191,24 @@ class Accumulation(adapter.Accumulation):
         # Reading `hook.model` syncs the trainer's state into the model's variables.
         _ = hook.model
 
-    def after_batch(self, hook, logs) -> None:
+    def after_batch(self, hook, logs, deferred: bool = False) -> None:
         """The step can record an error (`nonfinite="raise"`, a weighting or schedule
-        callable): raised after the call that met it, read one call late.
+        callable): raised after the call that met it.
 
-        Reading the flag waits for the call that made it; read at once, it would
-        stop JAX's asynchronous dispatch (Python preparing the next micro-batch
-        while the last one computes; without it a KerasHub LoRA micro-batch took
-        1.6x as long here). A step after an error accumulates and applies nothing,
-        so the weights and the state stay as the error left them, and the epoch's
-        end (`on_epoch_end` calls this too) reads the last flag.
+        Keras hands the hook each call's logs as Python numbers, read in its worker
+        thread while the next calls are dispatched (`deferred`): there the error is
+        only noted, and raised in the fit's thread as the next call begins (or at
+        the epoch's end). A step after an error accumulates and applies nothing, so
+        the weights and the state stay as the error left them.
         """
         flag = logs.pop(ERROR_KEY, None) if isinstance(logs, dict) else None
-        pending, self._pending_error = self._pending_error, flag
-        if pending is not None and bool(pending):
+        if flag is not None and bool(flag):
+            self._pending_error = True
+        if not deferred:
+            self.before_batch(hook)
+
+    def before_batch(self, hook) -> None:
+        if self._pending_error:
             self._pending_error = None
             self.synced(hook)
             self.raise_step_error()
@@ -211,9 +216,11 @@ class Accumulation(adapter.Accumulation):
     def before_evaluate(self, kwargs) -> None:
         # Validation inside fit comes before the epoch's end: an error of the last
         # call is raised before the open window is applied (the state is synced).
+        # Keras's worker may not have read the last call's logs yet: the state
+        # (synced by Keras before validation) says.
         if kwargs.get("_use_cached_eval_dataset"):
-            pending, self._pending_error = self._pending_error, None
-            if pending is not None and bool(pending):
+            self._pending_error = None
+            if self.state is not None:
                 self.raise_step_error()
         super().before_evaluate(kwargs)
 
@@ -221,7 +228,7 @@ class Accumulation(adapter.Accumulation):
         # A fit that ended by another error (a callback's, Ctrl-C) before the flag
         # was read: its step error goes with it, not into the next fit.
         pending, self._pending_error = self._pending_error, None
-        if pending is not None and bool(pending) and self.state is not None:
+        if pending and self.state is not None:
             self.state.error.assign(0)
 
     def end_of_data(self) -> None:

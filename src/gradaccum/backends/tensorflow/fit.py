@@ -99,6 +99,8 @@ class Accumulation(adapter.Accumulation):
         self.own_step = OwnStep(self)
         # Split mode: whether XLA compiles each micro-batch (the host's jit_compile).
         self.micro_batch_jit = False
+        # Inside `fit`: the train function's logs reach the hook packed.
+        self.in_fit = False
 
     @classmethod
     def check_model(cls, model) -> None:
@@ -129,13 +131,30 @@ class Accumulation(adapter.Accumulation):
         stack = contextlib.ExitStack()
         stack.enter_context(kc.across_workers(self.host))
         stack.enter_context(super().fitting(hook))
+        stack.enter_context(self._in_fit())
         return stack
 
-    def after_batch(self, hook, logs) -> None:
-        # Named before the callbacks after the hook see them (logs that reach the
-        # callbacks packed: under several workers).
+    @contextlib.contextmanager
+    def _in_fit(self):
+        self.in_fit = True
+        try:
+            yield
+        finally:
+            self.in_fit = False
+
+    def batch_end_async_safe(self) -> bool:
+        # Under XLA the step's assertion is compiled away: the hook raises after
+        # the call that skipped, before the next runs.
+        return not self._raises_after_the_call()
+
+    def _raises_after_the_call(self) -> bool:
+        return self.options.nonfinite == "raise" and bool(self.host.jit_compile)
+
+    def after_batch(self, hook, logs, deferred: bool = False) -> None:
+        # Named before the callbacks after the hook see them: `fit`'s calls return
+        # them packed (`logs.unpacking`), read here, in Keras's worker thread.
         _logs.unpacked(logs)
-        if self.options.nonfinite == "raise" and self.host.jit_compile:
+        if self._raises_after_the_call():
             # XLA compiles the step's assertion away (the micro-batch is skipped
             # instead): raise here, after the compiled call.
             skipped = self.skipped() - self.skipped_at_start
@@ -173,7 +192,7 @@ class Accumulation(adapter.Accumulation):
             function, "gradaccum_skips", False
         ):
             function = resume.skipping_restored(self, function)
-        host.train_function = _logs.unpacking(function)
+        host.train_function = _logs.unpacking(function, self)
         return host.train_function
 
     # The training step -----------------------------------------------------------

@@ -97,13 +97,17 @@ def unpacked(logs):
     return logs
 
 
-def unpacking(function):
-    """The train function with its logs' packed entries named (eagerly, after it)."""
+def unpacking(function, accumulation):
+    """The train function with its logs' packed entries named (eagerly, after it),
+    except inside `fit`: there reading them would make the host wait for each call,
+    and gradaccum's hook names them where Keras reads the logs (in its worker
+    thread when it dispatches batch ends asynchronously)."""
     if getattr(function, "gradaccum_unpacks_counters", False):
         return function
 
     def run(*args, **kwargs):
-        return unpacked(function(*args, **kwargs))
+        logs = function(*args, **kwargs)
+        return logs if accumulation.in_fit else unpacked(logs)
 
     run.gradaccum_unpacks_counters = True
     # What the function it wraps already does (split mode's retry, resuming).

@@ -1,0 +1,65 @@
+"""The main job's worker processes follow the device the backend computes on
+(issue 54): one per core on a CPU, `RUNS_PER_GPU` sharing a GPU, whatever a GPU's
+mere presence says."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+
+import pytest
+
+from gradaccum.experiments import parallel
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """A machine of 16 cores with or without an NVIDIA GPU, and the packages found."""
+    state = {"gpu": True, "modules": set(), "torch": "2.11.0"}
+    exists = os.path.exists
+    monkeypatch.setattr(parallel, "cores", lambda: 16)
+    monkeypatch.setattr(os.path, "exists", lambda path: state["gpu"] if path == "/dev/nvidiactl"
+                        else exists(path))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name: object() if name in state["modules"] | {"torch"} else None)
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: state["torch"])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    return state
+
+
+def test_cpu_only_jax_on_a_gpu_machine_runs_one_process_per_core(machine):
+    assert parallel.default_jobs(40, "jax") == 16
+    machine["modules"] = {"jax_cuda12_plugin"}
+    assert parallel.uses_gpu("jax")
+    assert parallel.default_jobs(40, "jax") == parallel.RUNS_PER_GPU == 4
+    assert parallel.default_jobs(2, "jax") == 2
+
+
+def test_torch_and_tensorflow_builds(machine, monkeypatch):
+    assert parallel.uses_gpu("torch")
+    machine["torch"] = "2.13.0+cpu"
+    assert not parallel.uses_gpu("torch")
+    assert not parallel.uses_gpu("tensorflow")
+    machine["modules"] = {"nvidia.cudnn"}
+    assert parallel.uses_gpu("tensorflow")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert not parallel.uses_gpu("tensorflow")
+
+
+def test_no_gpu_no_sharing(machine):
+    machine["gpu"] = False
+    machine["modules"] = {"jax_cuda12_plugin"}
+    assert not parallel.uses_gpu("jax")
+    assert parallel.default_jobs(40, "jax") == 16
+    assert parallel.default_jobs(3) == 3
+
+
+def test_processes_sharing_a_gpu_take_memory_as_they_need_it(monkeypatch):
+    monkeypatch.setattr(os, "environ", {})
+    parallel.share_gpu("jax", 1)
+    assert "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ
+    parallel.share_gpu("jax", 4)
+    parallel.share_gpu("tensorflow", 4)
+    assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    assert os.environ["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
