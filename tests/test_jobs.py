@@ -1,6 +1,6 @@
 """The main job's worker processes follow the device the backend computes on
-(issue 54): one per core on a CPU, `RUNS_PER_GPU` sharing a GPU, whatever a GPU's
-mere presence says."""
+(issue 54): one per core on a CPU, `RUNS_PER_GPU` sharing a GPU where the cores are
+few, whatever a GPU's mere presence says."""
 
 from __future__ import annotations
 
@@ -28,12 +28,23 @@ def machine(monkeypatch):
     return state
 
 
-def test_cpu_only_jax_on_a_gpu_machine_runs_one_process_per_core(machine):
-    assert parallel.default_jobs(40, "jax") == 16
+def test_cpu_only_jax_on_a_gpu_machine_runs_one_process_per_core(machine, monkeypatch):
+    monkeypatch.setattr(parallel, "cores", lambda: 8)
+    assert parallel.default_jobs(40, "jax") == 8
+    assert parallel.device_of_workers("jax", 8) == "cpu"
     machine["modules"] = {"jax_cuda12_plugin"}
     assert parallel.uses_gpu("jax")
     assert parallel.default_jobs(40, "jax") == parallel.RUNS_PER_GPU == 4
+    assert parallel.device_of_workers("jax", 4) == "gpu"
     assert parallel.default_jobs(2, "jax") == 2
+
+
+def test_many_cores_beat_a_shared_gpu(machine):
+    # 16 cores: the sweep took 57 s on them, 91-99 s in 4-8 processes on the GPU.
+    machine["modules"] = {"jax_cuda12_plugin"}
+    assert parallel.default_jobs(40, "jax") == 16
+    assert parallel.device_of_workers("jax", 16) == "cpu"
+    assert parallel.device_of_workers("jax", 4) == "gpu"
 
 
 def test_torch_and_tensorflow_builds(machine, monkeypatch):
@@ -55,11 +66,16 @@ def test_no_gpu_no_sharing(machine):
     assert parallel.default_jobs(3) == 3
 
 
-def test_processes_sharing_a_gpu_take_memory_as_they_need_it(monkeypatch):
+def test_workers_on_the_cpu_hide_the_gpu_and_sharing_ones_take_memory_as_needed(
+        monkeypatch):
     monkeypatch.setattr(os, "environ", {})
-    parallel.share_gpu("jax", 1)
-    assert "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ
-    parallel.share_gpu("jax", 4)
-    parallel.share_gpu("tensorflow", 4)
-    assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
-    assert os.environ["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
+    parallel.place_worker("jax", "gpu", 1)
+    assert os.environ == {}
+    parallel.place_worker("jax", "gpu", 4)
+    parallel.place_worker("tensorflow", "gpu", 4)
+    assert os.environ == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+                          "TF_FORCE_GPU_ALLOW_GROWTH": "true"}
+    monkeypatch.setattr(os, "environ", {})
+    parallel.place_worker("jax", "cpu", 16)
+    parallel.place_worker("torch", "cpu", 16)
+    assert os.environ == {"JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": ""}

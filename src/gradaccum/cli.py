@@ -121,7 +121,8 @@ def _common(parser: argparse.ArgumentParser, runs_default: int) -> None:
     parser.add_argument("--jobs", type=_positive_int, default=None,
                         help="runs trained side by side, one process each (default: one "
                              "per CPU core; 4 sharing the GPU where the backend computes "
-                             "on one); a run's result does not depend on it")
+                             "on one and the cores are fewer than 10); a run's result "
+                             "does not depend on it")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -300,10 +301,15 @@ def _jobs(args, tasks: int) -> int:
 
 
 def _where(backend: str, jobs: int) -> str:
-    """How the runs train: the backend and the processes."""
+    """How the runs train: the backend and the processes (and where several train
+    on a machine with a GPU the backend uses: on it, or on the CPU's cores)."""
     from gradaccum._backend import NAMES
+    from gradaccum.experiments.parallel import device_of_workers, uses_gpu
 
-    return f"{NAMES[backend]}, {jobs} process{'es' if jobs > 1 else ''}"
+    where = f"{NAMES[backend]}, {jobs} process{'es' if jobs > 1 else ''}"
+    if jobs > 1 and uses_gpu(backend):
+        where += f" on the {device_of_workers(backend, jobs).upper()}"
+    return where
 
 
 def _run_all(args, data, tasks, on_run):
