@@ -61,6 +61,13 @@ def fit(trainer_, data=None, loss=SCE, optimizer="sgd"):
     return trainer_.fit(data, verbose=0)
 
 
+def predict_steps(steps):
+    wrapped = trainer()
+    wrapped.compile(optimizer="sgd", loss=SCE)
+    x, _ = make_data(16)
+    wrapped.predict(x, batch_size=2, steps=steps, verbose=0)
+
+
 def fit_poisoned_under_xla():
     x, y = make_data(8)
     x[5, 0] = np.nan
@@ -411,6 +418,7 @@ CASES = {
     "compile-optimizer-accumulates": lambda: trainer().compile(
         optimizer=keras.optimizers.SGD(gradient_accumulation_steps=2), loss=SCE
     ),
+    "predict-steps-not-a-multiple": lambda: predict_steps(3),
     "fit-empty-data": lambda: fit(trainer(), data=empty_data()),
     "fit-unbuilt-empty-data": lambda: fit(
         gradaccum.wrap(keras.Sequential([keras.layers.Dense(3)], name="net"), steps=2),

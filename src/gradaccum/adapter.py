@@ -124,6 +124,8 @@ class Accumulation(abc.ABC):
         self.resumable = False
         # `accumulate`: the compile the user made, restored by `disable`.
         self.user_compile_config = None
+        # Whether gradaccum chose the compile's `steps_per_execution` (the window).
+        self.chose_steps_per_execution = False
         # micro_batch_size="auto": the search.
         self.auto_size = AutoSize(options.max_micro_batch_size) if options.auto else None
         # What `fit` was given (the "auto" search speaks when it is verbose).
@@ -193,6 +195,24 @@ class Accumulation(abc.ABC):
         if kwargs.get("_use_cached_eval_dataset"):
             # Validation inside fit sees the epoch's partial window applied.
             self.end_of_data()
+
+    def before_predict(self, args, kwargs) -> None:
+        """`predict(steps=n)`: Keras's predict runs whole calls of
+        `steps_per_execution` batches (unlike `fit` and `evaluate`, whose epochs
+        gradaccum makes exact), so where gradaccum chose that number (the window) and
+        `n` is not a multiple of it, the predictions would hold more batches than
+        asked for: refused, with the ways out."""
+        steps = args[3] if len(args) > 3 else kwargs.get("steps")
+        per_call = getattr(self.host, "steps_per_execution", 1) or 1
+        if (steps is not None and self.chose_steps_per_execution and per_call > 1
+                and int(steps) % per_call):
+            raise ValueError(
+                "`steps` of `predict` must be a multiple of the model's "
+                f"`steps_per_execution` ({per_call}, the window gradaccum chose at "
+                "compile: Keras predicts whole calls of that many batches). Received: "
+                f"steps={steps}. Pass a multiple of {per_call}, leave `steps` out, or "
+                "compile with `steps_per_execution=1`."
+            )
 
     def after_train_on_batch(self, logs):
         """`train_on_batch`'s logs, after the step's errors are raised."""

@@ -28,6 +28,7 @@ _OVERRIDES = (
     "compile",
     "fit",
     "evaluate",
+    "predict",
     "train_step",
     "make_train_function",
     "train_on_batch",
@@ -229,6 +230,10 @@ def _install(model, accumulation) -> None:
         with accumulation.evaluating():
             return cls.evaluate(model, *args, **kwargs)
 
+    def predict(*args, **kwargs):
+        accumulation.before_predict(args, kwargs)
+        return cls.predict(model, *args, **kwargs)
+
     def train_step(*args):
         # (data) on TensorFlow, (state, data) on JAX.
         return accumulation.train_step(*args)
@@ -275,6 +280,7 @@ def _install(model, accumulation) -> None:
         ("compile", compile),
         ("fit", fit),
         ("evaluate", evaluate),
+        ("predict", predict),
         ("train_step", train_step),
         ("make_train_function", make_train_function),
         ("train_on_batch", train_on_batch),
@@ -309,6 +315,7 @@ def _recompile(model, accumulation, *, user_config, steps_per_execution_given):
     if (accumulation.options.weighting == "exact" and accumulation.options.privacy is None
             and config.get("loss") is not None):
         config["loss"] = record_normalizers(config["loss"], accumulation.normalizers)
+    accumulation.chose_steps_per_execution = not steps_per_execution_given
     if not steps_per_execution_given:
         config["steps_per_execution"] = accumulation.options.steps_per_execution(
             accumulation.replicas()

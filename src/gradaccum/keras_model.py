@@ -143,6 +143,7 @@ class AccumulatingModel(keras.Model):
         `"window"` means 1: Keras's multi-step train function fails there (keras
         issue 19246, "You must feed a value for placeholder tensor").
         """
+        self._accumulation.chose_steps_per_execution = steps_per_execution == "window"
         if steps_per_execution == "window":
             steps_per_execution = self._accumulation.options.steps_per_execution(
                 self._accumulation.replicas()
@@ -196,6 +197,10 @@ class AccumulatingModel(keras.Model):
         self._accumulation.before_evaluate(kwargs)
         with self._accumulation.evaluating():
             return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        self._accumulation.before_predict(args, kwargs)
+        return super().predict(*args, **kwargs)
 
     def train_on_batch(self, *args, **kwargs):
         return self._accumulation.after_train_on_batch(super().train_on_batch(*args, **kwargs))

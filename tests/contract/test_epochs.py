@@ -285,6 +285,23 @@ def test_evaluate_steps_count_batches_whatever_steps_per_execution():
     assert_asked(source, plain_source.asked, 4)
 
 
+def test_predict_steps_that_would_round_up_to_whole_calls_are_refused():
+    # Keras predicts whole calls of steps_per_execution batches: 4 at 3 a call would
+    # give 6 batches' predictions. A multiple, or the user's own steps_per_execution,
+    # is as plain Keras.
+    model = _accumulating(3, keras.optimizers.SGD(0.5))
+    if keras.backend.backend() == "torch":
+        assert model.predict(X, batch_size=B, steps=4, verbose=0).shape == (16, 3)
+        return
+    with pytest.raises(ValueError, match=r"Received: steps=4\. Pass a multiple of 3"):
+        model.predict(X, batch_size=B, steps=4, verbose=0)
+    predicted = model.predict(X, batch_size=B, steps=6, verbose=0)
+    np.testing.assert_allclose(predicted, mlp(0).predict(X[:24], verbose=0), rtol=1e-5,
+                               atol=1e-6)
+    model.compile(keras.optimizers.SGD(0.5), SCE, steps_per_execution=3)
+    assert model.predict(X, batch_size=B, steps=4, verbose=0).shape == (24, 3)
+
+
 def test_fit_twice_goes_on_where_the_first_ended_with_a_carried_window():
     model = _accumulating(3, keras.optimizers.Adam(0.05), partial="carry")
     model.fit(iter(Counted()), epochs=1, steps_per_epoch=4, shuffle=False, verbose=0)
