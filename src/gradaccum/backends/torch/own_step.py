@@ -20,14 +20,12 @@ import torch
 
 from gradaccum import _keras_common as kc
 from gradaccum._validation import check_optimizer
-from gradaccum.backends.torch.record import truth
+from gradaccum.backends.torch.record import restore, snapshot, truth
 from gradaccum.core import transitions as tr
 
 
 def run(step, data) -> dict:
     """`steps` mode with the model's own `train_step(data)`. Returns its logs."""
-    from gradaccum.backends.torch.step import restore, snapshot
-
     model = step.model
     fit = step.fit_record()
     fit.add("epoch_step", 1)

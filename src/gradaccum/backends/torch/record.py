@@ -291,3 +291,18 @@ class WindowRecord(FieldRecord):
         optimizer = self.scaling
         optimizer.step_counter.assign(counter)
         optimizer.dynamic_scale.assign(scale)
+
+
+@eager
+def snapshot(variables) -> list:
+    """The variables' values, copied (a step's metrics, or the forward state a
+    skipped micro-batch puts back)."""
+    return [v.value.detach().clone() for v in variables]
+
+
+@eager
+def restore(variables, values) -> None:
+    """Puts back what `snapshot` copied."""
+    with torch.no_grad():
+        for variable, value in zip(variables, values):
+            variable.value.copy_(value)

@@ -31,7 +31,15 @@ import torch
 from gradaccum import _keras_common as kc
 from gradaccum._validation import check_batch_dimensions
 from gradaccum.backends.torch import own_step as _own_step
-from gradaccum.backends.torch.record import FieldRecord, WindowRecord, eager, tensor, truth
+from gradaccum.backends.torch.record import (
+    FieldRecord,
+    WindowRecord,
+    eager,
+    restore,
+    snapshot,
+    tensor,
+    truth,
+)
 from gradaccum.backends.torch.state import window_prefix
 from gradaccum.core import transitions as tr
 from gradaccum.core.state import LARGEST_KEPT
@@ -47,20 +55,6 @@ apply_now = eager(tr.apply_now)
 drop = eager(tr.drop)
 track_terms = eager(tr.track_terms)
 weigh = eager(tr.weigh)
-
-
-@eager
-def snapshot(variables) -> list:
-    """The variables' values, copied."""
-    return [v.value.detach().clone() for v in variables]
-
-
-@eager
-def restore(variables, values) -> None:
-    """Puts back what `snapshot` copied."""
-    with torch.no_grad():
-        for variable, value in zip(variables, values):
-            variable.value.copy_(value)
 
 
 class ForwardState:
