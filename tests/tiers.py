@@ -212,6 +212,7 @@ SLOW = [
         "test_each_partial_policy_closes_the_epochs_rest_as_it_says",
         "test_every_data_source_gives_the_same_micro_batches",
         "test_data_that_runs_out_before_the_epoch_ends_as_plain_keras_does",
+        "test_data_of_unknown_length_that_runs_out_inside_a_call",
         "test_a_users_steps_per_execution_that_is_not_a_multiple_of_the_window",
         "test_a_models_own_train_step",
         "test_split_mode_an_epoch_is_n_batches_each_one_update",

@@ -10,9 +10,14 @@ epoch starts further on in an endless (`.repeat()`) dataset. gradaccum chooses
 as Keras does at `steps_per_execution=1`, and its last call takes only the rest.
 
 A full call still gets Keras's own iterator (TensorFlow's compiled loop over it, JAX's
-pull of `steps_per_execution` batches); the rest goes as a Python iterator of that
-many batches, which each backend's train function runs one batch at a time (Keras's
-own path for an iterator that is not TensorFlow's).
+pull of `steps_per_execution` batches) where the data cannot run out inside it: its
+length is known, or it never ends (a repeated `tf.data` dataset). The rest of an
+epoch, and every call on data of unknown length (a generator, a filtered dataset),
+goes as a Python iterator of that many batches, counted as it is read: each backend's
+train function runs it one batch at a time (Keras's own path for an iterator that is
+not TensorFlow's), and data that runs out inside a call ends the epoch as at one
+batch per call (Keras's loops stop there without a word, and the next epoch would
+read the spent iterator).
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ def _exact_calls(it):
         it._current_iterator = iter(it._get_iterator())
         it._steps_seen = 0
     step = 0
+    endless = _endless(it)
     while step < length:
         known = it._num_batches
         if known and it._steps_seen >= known:
@@ -58,7 +64,7 @@ def _exact_calls(it):
         take = min(per_call, length - step)
         if known:
             take = min(take, known - it._steps_seen)
-        if take == per_call:
+        if take == per_call and (known or endless):
             it._steps_seen += per_call
             yield step, step + per_call - 1, it._current_iterator
         else:
@@ -75,10 +81,25 @@ def _exact_calls(it):
     it.data_adapter.on_epoch_end()
 
 
+def _endless(it) -> bool:
+    """Whether the epoch iterator's data never ends: a `tf.data` dataset of infinite
+    cardinality (`.repeat()`)."""
+    from keras.src.trainers.data_adapters.tf_dataset_adapter import TFDatasetAdapter
+
+    if not isinstance(it.data_adapter, TFDatasetAdapter):
+        return False
+    import tensorflow as tf
+
+    dataset = it.data_adapter.get_tf_dataset()
+    cardinality = dataset.cardinality
+    cardinality = cardinality() if callable(cardinality) else cardinality
+    return int(cardinality) == int(tf.data.INFINITE_CARDINALITY)
+
+
 class _Rest:
-    """The last call's batches: at most `count` from the epoch iterator's data,
-    counted as Keras counts one batch per call. The first is drawn at once (a train
-    function given no batch at all has nothing to return)."""
+    """A call's batches read one at a time: at most `count` from the epoch
+    iterator's data, counted as Keras counts one batch per call. The first is drawn
+    at once (a train function given no batch at all has nothing to return)."""
 
     def __init__(self, epoch_iterator, count: int):
         self._epoch_iterator = epoch_iterator

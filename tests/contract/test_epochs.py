@@ -212,6 +212,25 @@ def test_data_that_runs_out_before_the_epoch_ends_as_plain_keras_does():
     assert int(model.optimizer.iterations) == 3
 
 
+def test_data_of_unknown_length_that_runs_out_inside_a_call():
+    # 7 micro-batches Keras cannot count (a filtered dataset), steps_per_epoch=9, 3 a
+    # call: the data ends inside the third call. Each epoch trains the 7 (windows
+    # 3, 3, 1), as at one batch per call; a whole call of Keras's own would stop
+    # without a word and leave the next epoch a spent iterator.
+    tf = pytest.importorskip("tensorflow")
+
+    def data():
+        dataset = tf.data.Dataset.from_tensor_slices((X[:B * 7], Y[:B * 7])).batch(B)
+        return dataset.filter(lambda x, y: tf.shape(x)[0] > 0)
+
+    model = _accumulating(3, keras.optimizers.SGD(0.5))
+    with pytest.warns(UserWarning, match="ran out of data"):
+        history = model.fit(data(), epochs=2, steps_per_epoch=9, verbose=0)
+    expected = reference(windows(3, 7, 1, "flush") * 2, keras.optimizers.SGD(0.5))
+    assert_weights_close(model, expected)
+    assert history.history["updates"] == [3.0, 6.0]
+
+
 def test_a_users_steps_per_execution_that_is_not_a_multiple_of_the_window():
     source = Counted()
     model = gradaccum.accumulate(mlp(0), steps=3)
