@@ -39,6 +39,7 @@ PRIVATE_PIECES = (
     (EpochIterator, "_enumerate_iterator", ()),
     (EpochIterator, "_get_iterator", ()),
     (EpochIterator, "_interrupted_warning", ()),
+    (EpochIterator, "catch_stop_iteration", ()),
     (keras.src.backend.common.stateless_scope, "get_stateless_scope", ()),
     (keras.src.backend.common.stateless_scope.StatelessScope, "get_current_value",
      ("variable",)),

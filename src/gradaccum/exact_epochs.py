@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import types
 
+from gradaccum._keras_common import EpochIterator
+
 # The attribute that marks an epoch iterator made exact (it may be seen twice).
 MARK = "_gradaccum_exact"
 
@@ -125,16 +127,11 @@ class _Rest:
             return _NONE
         self._left -= 1
         it._steps_seen += 1
-        try:
+        # Keras's own bookkeeping of data that ran out, as at one batch per call
+        # (the base class's: TensorFlow's adds a wait for the device per batch).
+        with EpochIterator.catch_stop_iteration(it):
             return next(it._current_iterator)
-        except StopIteration:
-            # As Keras's `catch_stop_iteration` at one batch per call.
-            if it._num_batches is None:
-                it._num_batches = it._steps_seen
-            it._interrupted_warning()
-            it._current_iterator = None
-            it.data_adapter.on_epoch_end()
-            return _NONE
+        return _NONE
 
 
 _NONE = object()
