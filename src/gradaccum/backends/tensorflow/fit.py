@@ -99,8 +99,6 @@ class Accumulation(adapter.Accumulation):
         self.own_step = OwnStep(self)
         # Split mode: whether XLA compiles each micro-batch (the host's jit_compile).
         self.micro_batch_jit = False
-        # Inside `fit`: the train function's logs reach the hook packed.
-        self.in_fit = False
 
     @classmethod
     def check_model(cls, model) -> None:
@@ -131,16 +129,7 @@ class Accumulation(adapter.Accumulation):
         stack = contextlib.ExitStack()
         stack.enter_context(kc.across_workers(self.host))
         stack.enter_context(super().fitting(hook))
-        stack.enter_context(self._in_fit())
         return stack
-
-    @contextlib.contextmanager
-    def _in_fit(self):
-        self.in_fit = True
-        try:
-            yield
-        finally:
-            self.in_fit = False
 
     def batch_end_async_safe(self) -> bool:
         # Under XLA the step's assertion is compiled away: the hook raises after
@@ -151,8 +140,8 @@ class Accumulation(adapter.Accumulation):
         return self.options.nonfinite == "raise" and bool(self.host.jit_compile)
 
     def after_batch(self, hook, logs, deferred: bool = False) -> None:
-        # Named before the callbacks after the hook see them: `fit`'s calls return
-        # them packed (`logs.unpacking`), read here, in Keras's worker thread.
+        # Named before the callbacks after the hook see them (logs that reach the
+        # callbacks packed: under several workers).
         _logs.unpacked(logs)
         if self._raises_after_the_call():
             # XLA compiles the step's assertion away (the micro-batch is skipped
@@ -192,7 +181,7 @@ class Accumulation(adapter.Accumulation):
             function, "gradaccum_skips", False
         ):
             function = resume.skipping_restored(self, function)
-        host.train_function = _logs.unpacking(function, self)
+        host.train_function = _logs.unpacking(function)
         return host.train_function
 
     # The training step -----------------------------------------------------------

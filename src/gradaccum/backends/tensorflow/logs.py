@@ -97,17 +97,15 @@ def unpacked(logs):
     return logs
 
 
-def unpacking(function, accumulation):
-    """The train function with its logs' packed entries named (eagerly, after it),
-    except inside `fit`: there reading them would make the host wait for each call,
-    and gradaccum's hook names them where Keras reads the logs (in its worker
-    thread when it dispatches batch ends asynchronously)."""
+def unpacking(function):
+    """The train function with its logs' packed entries named (eagerly, after it:
+    Keras's TensorFlow backend reads every call's logs in the fit's thread anyway,
+    its callbacks never running asynchronously)."""
     if getattr(function, "gradaccum_unpacks_counters", False):
         return function
 
     def run(*args, **kwargs):
-        logs = function(*args, **kwargs)
-        return logs if accumulation.in_fit else unpacked(logs)
+        return unpacked(function(*args, **kwargs))
 
     run.gradaccum_unpacks_counters = True
     # What the function it wraps already does (split mode's retry, resuming).
