@@ -258,8 +258,10 @@ class TrainStep:
         # scaled loss is the one Keras scales (no extra overflows).
         weighted = policy.mean and not self.loss_scaled and not self.direct
         objective = loss * weight.to(loss.dtype) if weighted else loss
-        if self.loss_scaled:
-            objective = model.optimizer.scale_loss(objective)
+        # Loss scaling (a LossScaleOptimizer's dynamic scale, or an optimizer's
+        # static `loss_scale_factor`, which `apply` divides back out), as Keras's own
+        # train step does.
+        objective = model.optimizer.scale_loss(objective)
         objective.backward()
         gradients = [v.value.grad for v in self.variables]
         return loss, y_pred, weight, gradients, normalizers, weighted
