@@ -256,6 +256,8 @@ def private(model=None, steps=2, fit_it=False, dataset_size=None, policy=None, *
     optimizer = keras.optimizers.SGD(0.1)
     if policy == "loss_scale":
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+    elif policy == "loss_scale_factor":
+        optimizer = keras.optimizers.SGD(0.1, loss_scale_factor=64.0)
     model.compile(optimizer=optimizer, loss=SCE)
     if fit_it:
         x, y = make_data(8)
@@ -304,6 +306,7 @@ CASES = {
         [keras.Input((5,)), keras.layers.Dense(3, activity_regularizer="l2", name="dense")],
         name="net")),
     "privacy-loss-scale": lambda: private(policy="loss_scale", fit_it=True),
+    "privacy-loss-scale-factor": lambda: private(policy="loss_scale_factor", fit_it=True),
     "privacy-spent-not-private": lambda: gradaccum.privacy_spent(
         keras.Sequential([keras.layers.Dense(1)], name="net")),
     "privacy-spent-delta": spent_without_delta,
@@ -428,6 +431,9 @@ CASES = {
                                               loss="mse"),
     "fit-exact-sum-loss": lambda: fit(
         trainer(), loss=keras.losses.MeanSquaredError(reduction="sum")
+    ),
+    "fit-exact-unreduced-loss": lambda: fit(
+        trainer(), loss=keras.losses.MeanSquaredError(reduction=None)
     ),
     "fit-exact-custom-call-loss": lambda: fit(trainer(), loss=SummingLoss(name="summing")),
     "fit-nonfinite-raise-xla": lambda: fit_poisoned_under_xla(),

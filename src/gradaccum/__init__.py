@@ -35,6 +35,7 @@ _EXPORTS = {
     "AuditReport": "gradaccum.auditing",
     "Privacy": "gradaccum.core.privacy",
     "privacy_spent": "gradaccum.privacy",
+    "load_model": "gradaccum.model_file",
 }
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "audit",
     "convert_batch_normalization",
     "disable",
+    "load_model",
     "privacy_spent",
     "wrap",
 ]
@@ -64,6 +66,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from gradaccum.backends.tensorflow.communication import CountingCrossDeviceOps
     from gradaccum.core.privacy import Privacy
     from gradaccum.keras_model import AccumulatingModel, wrap
+    from gradaccum.model_file import load_model
     from gradaccum.privacy import privacy_spent
 
 

@@ -20,7 +20,7 @@ import warnings
 from typing import NamedTuple
 
 from gradaccum import _keras_common as kc
-from gradaccum import epochs, saving
+from gradaccum import added_losses, epochs, saving
 from gradaccum.core import moving_statistics
 from gradaccum.core import transitions as tr
 from gradaccum.core.auto_size import AutoSize
@@ -135,6 +135,8 @@ class Accumulation(abc.ABC):
         self.skipped_at_start = 0
         self._pending = {}
         self._warned = set()
+        # Within a save that writes the window itself (gradaccum.model_file).
+        self.saving_window = False
         # Keras's BatchNormalization layers followed through the window
         # (`core.moving_statistics`): found when the state is first made.
         self.follower = None
@@ -223,6 +225,7 @@ class Accumulation(abc.ABC):
     def fit(self, fit, x, y, batch_size, epochs_, verbose, callbacks, kwargs):
         """Runs `fit` (the host's own) with gradaccum's hook first among callbacks."""
         check_private_fit(self.options, x, batch_size)
+        x = self.warn_added_losses(x, batch_size)
         self.verbose = verbose
         self._warned.discard("repeated")
         hook = epochs.EpochHook(self)
@@ -237,6 +240,22 @@ class Accumulation(abc.ABC):
             raise
         epochs.after_fit(self)
         return history
+
+    def warn_added_losses(self, x, batch_size):
+        """Before a model's first `fit` with windows of several micro-batches: warns
+        once of each `add_loss` term summed over the batch, as `audit` names it
+        (found on the data's first samples: `added_losses.probe`). Returns the `x`
+        to train on (a generator whose first batch the probe read gives it back)."""
+        options = self.options
+        if "added_losses" in self._warned or not self.layers.built or (
+                not options.split and options.window.constant == 1):
+            return x
+        self._warned.add("added_losses")
+        layers, x = added_losses.probe(self.layers, x, batch_size)
+        for layer in layers:
+            warnings.warn("Accumulation is approximate for this model. "
+                          + added_losses.cause(layer), stacklevel=4)
+        return x
 
     def fit_failed(self) -> None:
         """`fit` raised: what the backend drops with it."""
@@ -350,6 +369,15 @@ class Accumulation(abc.ABC):
                     "`privacy` needs an optimizer without loss scaling: each example's "
                     "gradient is clipped before the sum. Received: a LossScaleOptimizer "
                     "(the mixed_float16 policy); use mixed_bfloat16 or float32."
+                )
+            factor = getattr(host.optimizer, "loss_scale_factor", None)
+            if factor is not None:
+                raise ValueError(
+                    "`privacy` needs an optimizer without loss scaling: each example's "
+                    "gradient is clipped and noised unscaled, and the optimizer's "
+                    "`loss_scale_factor` would divide the update by the factor. "
+                    f"Received: loss_scale_factor={factor!r}. Create the optimizer "
+                    "with loss_scale_factor=None."
                 )
         terms = kc.count_compiled_losses(kc.compiled_loss(host), self.layers)
         if terms:

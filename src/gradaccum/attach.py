@@ -4,8 +4,9 @@ The model stays the user's object, of its own class: its `fit` (a KerasHub task'
 preprocessing included), `compile` defaults, `train_step`, `compute_loss` and `call`
 all run. gradaccum adds instance attributes that route the training path through
 the backend's `Accumulation` (`backends.tensorflow.fit` or `backends.jax.fit`) and
-removes them again in `disable`; the class, its config and what `model.save()` writes are
-untouched, so a saved model loads without gradaccum.
+removes them again in `disable`; the class and its config are untouched, and
+`model.save()` writes Keras's file with one more archive member (the open window,
+`gradaccum.model_file`), so a saved model loads without gradaccum.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import warnings
 
 import keras
 
-from gradaccum import _backend, state_file
+from gradaccum import _backend, model_file, state_file
 from gradaccum import _keras_common as kc
 from gradaccum._validation import check_optimizer
 from gradaccum.adapter import ATTRIBUTE, accumulation_of
@@ -34,6 +35,8 @@ _OVERRIDES = (
     "train_on_batch",
     "save_weights",
     "load_weights",
+    "save",
+    "save_own_variables",
 )
 # Split mode: the micro-batch size in use (the one given, or the one "auto" chose).
 _SIZE = "micro_batch_size"
@@ -81,10 +84,11 @@ def accumulate(
     defaults `steps_per_execution` to the window (`steps`; 1 under several replicas,
     with a schedule or a weight budget); pass
     it to choose (a model compiled before `accumulate` keeps its own).
-    `model.save()` writes the model as Keras would; `save_weights`
-    (and so `keras.callbacks.BackupAndRestore`) also writes the open window beside
-    the weights file (`<file>.gradaccum.npz`), so a run resumed in the middle of a
-    window goes on exactly.
+    `model.save()` writes the model as Keras would, with the open window inside the
+    `.keras` file (plain Keras loads it without; `gradaccum.load_model` brings it
+    back); `save_weights` (and so `keras.callbacks.BackupAndRestore`) writes the
+    open window beside the weights file (`<file>.gradaccum.npz`), so a run resumed
+    in the middle of a window goes on exactly.
 
     Split mode (`micro_batch_size` instead of `steps`): every batch the training
     step receives is cut into micro-batches of at most that many samples, which run
@@ -147,6 +151,8 @@ def accumulate(
     if kc.compile_config(model) is not None:
         _recompile(model, accumulation, user_config=kc.compile_config(model),
                    steps_per_execution_given=True)
+    # A model gradaccum.load_model read from a `.keras` file: its saved window.
+    model_file.take(model, accumulation, _signature(model, accumulation))
     return model
 
 
@@ -255,9 +261,10 @@ def _install(model, accumulation) -> None:
             return None
         store = {}
         accumulation.save_to(store)
-        state_file.save(
-            lambda path: cls.save_weights(model, path, True, *args, **kwargs),
-            filepath, store, _signature(model, accumulation), sharded=sharded)
+        with model_file.carrying(accumulation):
+            state_file.save(
+                lambda path: cls.save_weights(model, path, True, *args, **kwargs),
+                filepath, store, _signature(model, accumulation), sharded=sharded)
         return None
 
     def load_weights(filepath, *args, **kwargs):
@@ -276,6 +283,19 @@ def _install(model, accumulation) -> None:
             accumulation.load_from(store)
         return result
 
+    def save(filepath, overwrite=True, zipped=None, **kwargs):
+        # Keras's file, with the accumulation state inside (gradaccum.model_file).
+        with model_file.carrying(accumulation):
+            return model_file.save(
+                model, accumulation,
+                lambda path, overwrite: cls.save(model, path, overwrite=overwrite,
+                                                 zipped=zipped, **kwargs),
+                filepath, overwrite, zipped, kwargs, _signature(model, accumulation))
+
+    def save_own_variables(store):
+        model_file.storing(accumulation)
+        return cls.save_own_variables(model, store)
+
     for name, method in (
         ("compile", compile),
         ("fit", fit),
@@ -286,6 +306,8 @@ def _install(model, accumulation) -> None:
         ("train_on_batch", train_on_batch),
         ("save_weights", save_weights),
         ("load_weights", load_weights),
+        ("save", save),
+        ("save_own_variables", save_own_variables),
         (ATTRIBUTE, accumulation),
     ):
         model.__dict__[name] = method
@@ -314,7 +336,8 @@ def _recompile(model, accumulation, *, user_config, steps_per_execution_given):
     config = dict(user_config, optimizer=model.optimizer)
     if (accumulation.options.weighting == "exact" and accumulation.options.privacy is None
             and config.get("loss") is not None):
-        config["loss"] = record_normalizers(config["loss"], accumulation.normalizers)
+        config["loss"] = record_normalizers(config["loss"], accumulation.normalizers,
+                                            accumulation.options.reduction)
     accumulation.chose_steps_per_execution = not steps_per_execution_given
     if not steps_per_execution_given:
         config["steps_per_execution"] = accumulation.options.steps_per_execution(

@@ -13,13 +13,13 @@ as it was; the compiled metrics start again, as at each `fit`.
 from __future__ import annotations
 
 import contextlib
-import random
 import warnings
 
 import keras
 import numpy as np
 
 from gradaccum import _keras_common as kc
+from gradaccum import added_losses
 from gradaccum._validation import check_choice, check_steps
 from gradaccum.adapter import Findings, accumulation_of
 from gradaccum.core.moving_statistics import unfollowable_reason, window_aware
@@ -177,7 +177,7 @@ def audit(model, x, y=None, *, steps, batch_size, sample_weight=None,
         # In the model's distribution scope, where fit builds it.
         with _scope(model):
             optimizer.build(model.trainable_variables)
-    saved = _Snapshot(model)
+    saved = added_losses.Snapshot(model)
     findings = {}
     try:
         # Windows that never close: nothing is applied.
@@ -187,7 +187,7 @@ def audit(model, x, y=None, *, steps, batch_size, sample_weight=None,
         saved.restore()
         accumulated = _window_gradients(model, micro_batches, options, findings)
         saved.restore()
-        added_losses = _added_loss_terms(model, window, micro_batches, sizes)
+        summed_layers = _added_loss_terms(model, window, micro_batches, sizes)
     finally:
         if accumulation_of(model) is not None:
             with warnings.catch_warnings():
@@ -217,7 +217,7 @@ def audit(model, x, y=None, *, steps, batch_size, sample_weight=None,
         rows.append((path, difference, scale, relative))
     tolerance = _tolerance(model)
     inexact = max((row[3] for row in rows), default=0.0) > tolerance
-    causes = _causes(model, weighting, sizes, findings, added_losses, inexact)
+    causes = _causes(model, weighting, sizes, findings, summed_layers, inexact)
     between = (bool(findings.get("repeated")) or bool(findings.get("stale"))
                or (len(findings.get("optimizers", [])) > 1
                    and not findings.get("stale_known", True)))
@@ -301,41 +301,6 @@ def _sliced(data, start, end):
                  for part in data)
 
 
-class _Snapshot:
-    """Every variable of a model and its optimizers, and the random state Keras
-    draws unseeded numbers from (its global seed generator, Python's `random`,
-    which seeds a new one), to put back."""
-
-    def __init__(self, model):
-        from keras.src.backend.common import global_state
-
-        variables = list(model.variables) + list(model.optimizer.variables)
-        for _, optimizer in kc.named_optimizers(model):
-            variables += list(optimizer.variables)
-        seen, self.variables = set(), []
-        for variable in variables:
-            if id(variable) not in seen:
-                seen.add(id(variable))
-                self.variables.append(variable)
-        self.values = [np.array(v.numpy()) for v in self.variables]
-        self._global_state = global_state
-        self.generator = global_state.get_global_attribute("global_seed_generator")
-        self.generator_state = (None if self.generator is None
-                                else np.array(self.generator.state.numpy()))
-        self.python_random = random.getstate()
-
-    def restore(self) -> None:
-        for variable, value in zip(self.variables, self.values):
-            variable.assign(value)
-        if self.generator is None:
-            self._global_state.set_global_attribute("global_seed_generator", None)
-        else:
-            self._global_state.set_global_attribute("global_seed_generator",
-                                                    self.generator)
-            self.generator.state.assign(self.generator_state)
-        random.setstate(self.python_random)
-
-
 def _window_gradients(model, micro_batches, options, findings) -> dict:
     """Runs `micro_batches` through the model's step under `accumulate` (a window
     that does not close) and returns the window's combined gradient by variable id;
@@ -374,30 +339,18 @@ def _window_gradients(model, micro_batches, options, findings) -> dict:
 
 
 def _added_loss_terms(model, window, micro_batches, sizes):
-    """Each `add_loss` term of the model's layers on the window and on each
-    micro-batch (a forward pass in training mode): `(layer, window value, micro-batch
-    values)`, or [] where the model cannot be called on the data as given (a task
-    whose preprocessing runs in `fit`)."""
-    def terms(x):
-        model(x, training=True)
-        found = []
-        for layer in kc.flatten_layers(model):
-            for loss in getattr(layer, "_losses", []):
-                found.append((layer, float(keras.ops.convert_to_numpy(loss))))
-        return found
-
+    """The layers whose `add_loss` term is summed over the batch, from forward passes
+    in training mode on the window and on each micro-batch ([] where the model cannot
+    be called on the data as given: a task whose preprocessing runs in `fit`)."""
     try:
-        whole = terms(window[0])
-        parts = [terms(x) for x, _, _ in micro_batches]
+        whole = added_losses.terms(model, window[0])
+        parts = [added_losses.terms(model, x) for x, _, _ in micro_batches]
     except Exception:  # noqa: BLE001 (the check is skipped, the audit goes on)
         return []
-    if any(len(part) != len(whole) for part in parts):
-        return []
-    return [(layer, value, [part[j][1] for part in parts])
-            for j, (layer, value) in enumerate(whole)]
+    return added_losses.summed(whole, parts, sizes)
 
 
-def _causes(model, weighting, sizes, findings, added_losses, inexact) -> list:
+def _causes(model, weighting, sizes, findings, summed_layers, inexact) -> list:
     causes = []
     for layer in kc.flatten_layers(model):
         if layer is model:
@@ -423,17 +376,7 @@ def _causes(model, weighting, sizes, findings, added_losses, inexact) -> list:
                 "for each micro-batch apart, not those the large batch draws; the "
                 "accumulated gradient is the large batch's in expectation only."
             )
-    for layer, value, parts in added_losses:
-        mean = float(np.dot(parts, sizes) / sum(sizes))
-        total = float(np.sum(parts))
-        scale = max(abs(value), 1e-12)
-        if abs(value - mean) > 1e-4 * scale and abs(value - total) <= 1e-4 * scale:
-            causes.append(
-                f"A loss term of layer {layer.name!r} (`add_loss`) is summed over the "
-                "batch, not averaged per sample: the large batch's term is the sum of "
-                "the micro-batches', and accumulation averages them. Divide it by the "
-                "batch size."
-            )
+    causes += [added_losses.cause(layer) for layer in summed_layers]
     if findings:
         causes += [text for _, text in Findings(**{
             name: findings[name] for name in Findings._fields}).step_causes()]

@@ -151,7 +151,8 @@ class AccumulatingModel(keras.Model):
         optimizer = keras.optimizers.get(optimizer)
         check_optimizer(optimizer)
         if self.weighting == "exact" and self.privacy is None:
-            loss = record_normalizers(loss, self._accumulation.normalizers)
+            loss = record_normalizers(loss, self._accumulation.normalizers,
+                                      self._accumulation.options.reduction)
         super().compile(optimizer, loss, *args, steps_per_execution=steps_per_execution,
                         **kwargs)
         self._accumulation.forget()

@@ -101,18 +101,15 @@ class NormalizerLog:
 class _NormalizedLoss(keras.losses.Loss):
     """Computes a Keras loss unchanged and records its normalizer `n_i`."""
 
-    def __init__(self, loss, log: NormalizerLog | None = None):
+    def __init__(self, loss, log: NormalizerLog | None = None, summed: bool = False):
         loss = _as_loss_object(loss)
-        if loss.reduction not in _EXACT_REDUCTIONS:
-            raise ValueError(
-                "weighting='exact' needs losses that divide by a normalizer "
-                f"(reduction one of {', '.join(repr(r) for r in _EXACT_REDUCTIONS)}). "
-                f"Received: loss '{loss.name}' with reduction={loss.reduction!r}. For "
-                "a summed loss, wrap with reduction='sum'; else use "
-                "weighting='uniform' or a callable."
-            )
+        check_reduction(loss, summed)
         super().__init__(name=loss.name, reduction=loss.reduction, dtype=loss.dtype)
         self.loss = loss
+        # Under gradaccum's reduction='sum', a summed loss's weight (the window's in
+        # the logs, a `weight_per_update` budget) counts its elements as a mean's
+        # normalizer would.
+        self._counted = "sum_over_batch_size" if loss.reduction == "sum" else None
         self.log = log if log is not None else NormalizerLog()
         self._last = None
         self._warned_scalar = False
@@ -138,7 +135,8 @@ class _NormalizedLoss(keras.losses.Loss):
             first = keras.tree.flatten(y_pred)[0]
             n = keras.ops.cast(keras.ops.shape(first)[0], "float32")
         else:
-            n = loss_normalizer(losses, sample_weight, mask, self.reduction, self.dtype)
+            n = loss_normalizer(losses, sample_weight, mask,
+                                self._counted or self.reduction, self.dtype)
         self.log.values.append(n)
         return value
 
@@ -161,6 +159,32 @@ class _NormalizedLoss(keras.losses.Loss):
         return keras.saving.deserialize_keras_object(config["loss"])
 
 
+def check_reduction(loss, summed: bool) -> None:
+    """Refuses, with what to pass, a loss whose reduction weighting='exact' cannot
+    weigh under gradaccum's `reduction` (`summed`: reduction='sum')."""
+    reduction = loss.reduction
+    if reduction in _EXACT_REDUCTIONS or (summed and reduction == "sum"):
+        return
+    received = f"Received: loss '{loss.name}' with reduction={reduction!r}"
+    if reduction in (None, "none"):
+        raise ValueError(
+            "Keras trains on a loss reduced to a scalar, and weighting='exact' weighs "
+            f"it by its normalizer. {received}, which returns each sample's loss. "
+            "Give the loss reduction='sum_over_batch_size' (a mean: weighted "
+            "exactly), or reduction='sum' and pass reduction='sum' to gradaccum."
+        )
+    # Keras's other reduction: "sum".
+    raise ValueError(
+        "weighting='exact' with reduction='mean' (gradaccum's) needs losses that "
+        "divide by a normalizer (reduction one of "
+        f"{', '.join(repr(r) for r in _EXACT_REDUCTIONS)}). {received}. For a loss "
+        "summed over the batch, pass reduction='sum' to gradaccum: the window's "
+        "gradients are then summed, which is the large batch's gradient of such a "
+        "loss. Else give the loss reduction='sum_over_batch_size', or pass "
+        "weighting='uniform' or a callable."
+    )
+
+
 def _as_loss_object(loss) -> keras.losses.Loss:
     obj = keras.losses.get(loss)
     if isinstance(obj, keras.losses.Loss):
@@ -175,17 +199,18 @@ def _as_loss_object(loss) -> keras.losses.Loss:
     return kc.LossFunctionWrapper(obj, name=name)
 
 
-def record_normalizers(loss, log: NormalizerLog):
-    """Wraps every loss in a (nested) compile `loss` argument to record `n_i`."""
+def record_normalizers(loss, log: NormalizerLog, reduction: str = "mean"):
+    """Wraps every loss in a (nested) compile `loss` argument to record `n_i`
+    (`reduction`: gradaccum's, under which the losses are checked)."""
     if loss is None:
         return None
     if isinstance(loss, dict):
-        return {key: record_normalizers(value, log) for key, value in loss.items()}
+        return {key: record_normalizers(value, log, reduction) for key, value in loss.items()}
     if isinstance(loss, (list, tuple)):
-        return type(loss)(record_normalizers(value, log) for value in loss)
+        return type(loss)(record_normalizers(value, log, reduction) for value in loss)
     if isinstance(loss, _NormalizedLoss):
         loss = loss.loss
-    return _NormalizedLoss(loss, log)
+    return _NormalizedLoss(loss, log, summed=reduction == "sum")
 
 
 def callable_weight(fn, x, y, sample_weight):

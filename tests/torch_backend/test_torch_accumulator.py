@@ -926,3 +926,24 @@ def test_gradients_are_copies_the_next_micro_batch_leaves_alone():
     with torch.no_grad():
         optimizer.apply(combined, model.trainable_variables)
     np.testing.assert_array_equal(model.get_weights()[0], np.full((3, 1), -2.0))
+
+
+def test_gradients_of_a_loss_scaled_by_loss_scale_factor_are_unscaled_by_apply():
+    # keras.io's loop with an optimizer's static `loss_scale_factor`: the gradients
+    # of `optimizer.scale_loss(loss)` go into the sums, and `apply` divides the
+    # factor back out, as Keras's own step does: the update is the unscaled one.
+    x, y = data(28)
+    optimizer = keras.optimizers.Adam(0.01, loss_scale_factor=64.0)
+    loop = Loop(optimizer, steps=3)
+    start = 0
+    for size in [4] * 7:
+        part = slice(start, start + size)
+        grads = grads_of(loop.model, x[part], y[part], loss_scale_optimizer=optimizer)
+        loop.acc.step(optimizer, grads, weight=size)
+        start += size
+    assert loop.finish()
+    scaled = reference(keras.optimizers.Adam(0.01, loss_scale_factor=64.0), x, y, [12, 12, 4])
+    plain = reference(keras.optimizers.Adam(0.01), x, y, [12, 12, 4])
+    assert_weights_close(loop.model, scaled)
+    assert_weights_close(loop.model, plain)
+    assert int(optimizer.iterations) == 3

@@ -1,0 +1,369 @@
+"""Nothing accumulated is lost silently (issue 57), on every backend: an optimizer's
+`loss_scale_factor`, an open window through `model.save` (a `.keras` file, and so
+`ModelCheckpoint`), a layer's `add_loss` summed over the batch (warned at `fit`, in
+`audit`'s words), and what the `reduction` / `weighting` errors tell the user to
+pass. Each case against plain Keras on the same backend trained on the windows."""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+from largebatch import (
+    SCE,
+    assert_optimizer_close,
+    assert_weights_close,
+    data,
+    max_gap,
+    mlp,
+    reference_fit,
+    windows_of,
+)
+
+import gradaccum
+from gradaccum import added_losses
+
+FACTOR = 64.0
+SUM_SCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
+
+
+def _plain(windows, x, y, optimizer, loss=SCE, model=None):
+    model = model if model is not None else mlp(0)
+    model.compile(optimizer, loss)
+    return reference_fit(model, windows, x, y)
+
+
+# loss_scale_factor ------------------------------------------------------------------------
+
+
+class ScaledStep(keras.Model):
+    """A model with its own train_step in keras.io's pattern for its backend, which
+    scales its loss as Keras's default step does (`optimizer.scale_loss`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, x, training=False):
+        return self.out(self.hidden(x))
+
+    def train_step(self, *args):
+        backend = keras.backend.backend()
+        if backend == "jax":
+            return self._jax_step(*args)
+        x, y = args[0]
+        if backend == "torch":
+            import torch
+
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+            self.zero_grad()
+            self.optimizer.scale_loss(loss).backward()
+            grads = [v.value.grad for v in self.trainable_weights]
+            with torch.no_grad():
+                self.optimizer.apply(grads, self.trainable_weights)
+        else:
+            import tensorflow as tf
+
+            with tf.GradientTape() as tape:
+                loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+                scaled = self.optimizer.scale_loss(loss)
+            grads = tape.gradient(scaled, self.trainable_variables)
+            self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return {}
+
+    def _jax_step(self, state, data):
+        import jax
+
+        trainable, non_trainable, optimizer_variables, metrics_variables = state
+        x, y = data
+
+        def objective(trainable):
+            y_pred, _ = self.stateless_call(trainable, non_trainable, x, training=True)
+            loss = self.compute_loss(x, y, y_pred)
+            with keras.StatelessScope(state_mapping=list(zip(
+                    self.optimizer.variables, optimizer_variables))):
+                return self.optimizer.scale_loss(loss)
+
+        grads = jax.grad(objective)(trainable)
+        trainable, optimizer_variables = self.optimizer.stateless_apply(
+            optimizer_variables, grads, trainable)
+        return {}, (trainable, non_trainable, optimizer_variables, metrics_variables)
+
+
+def _scaled_step():
+    model = ScaledStep()
+    model(np.zeros((1, 6), "float32"))
+    model.set_weights(mlp(0).get_weights())
+    return model
+
+
+@pytest.mark.parametrize("path", ["default", "own_step", "split", "steps_1"])
+def test_loss_scale_factor_changes_nothing(path):
+    # Keras scales the loss by the factor before the backward pass and divides the
+    # gradients back in `apply`: the update is the unscaled one, with and without
+    # accumulation (on PyTorch gradaccum's step once left the loss unscaled: every
+    # update was 1/64 of Keras's).
+    x, y = data(30)
+    scaled = lambda: keras.optimizers.Adam(0.05, loss_scale_factor=FACTOR)  # noqa: E731
+    if path == "split":
+        model = gradaccum.accumulate(mlp(0), micro_batch_size=4)
+        model.compile(scaled(), SCE)
+        model.fit(x, y, batch_size=12, shuffle=False, verbose=0)
+        windows = [np.arange(0, 12), np.arange(12, 24), np.arange(24, 30)]
+    else:
+        steps = 1 if path == "steps_1" else 3
+        model = gradaccum.accumulate(_scaled_step() if path == "own_step" else mlp(0),
+                                     steps=steps)
+        model.compile(scaled(), SCE)
+        model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+        windows = (windows_of([4] * 7 + [2], [1] * 8) if steps == 1
+                   else windows_of([4] * 7 + [2], [3, 3, 2]))
+    with_factor = _plain(windows, x, y, scaled())
+    without = _plain(windows, x, y, keras.optimizers.Adam(0.05))
+    assert max_gap(model, mlp(0)) > 1e-2
+    assert_weights_close(model, with_factor)
+    assert_weights_close(model, without)
+    assert int(model.optimizer.iterations) == len(windows)
+
+
+def test_privacy_with_a_loss_scale_factor_is_refused():
+    x, y = data(8)
+    model = gradaccum.accumulate(mlp(0), steps=2, privacy=gradaccum.Privacy(1.0, 0.0, seed=1))
+    model.compile(keras.optimizers.SGD(0.1, loss_scale_factor=FACTOR), SCE)
+    with pytest.raises(ValueError, match="loss_scale_factor=64.0. Create the optimizer"):
+        model.fit(x, y, batch_size=4, verbose=0)
+
+
+# An open window through model.save ---------------------------------------------------------
+
+
+def _trainer(partial, **compile_kwargs):
+    model = gradaccum.accumulate(mlp(0), steps=3, partial=partial)
+    model.compile(keras.optimizers.Adam(0.05), SCE, **compile_kwargs)
+    return model
+
+
+class SaveAt(keras.callbacks.Callback):
+    """Saves the model (`model.save`, as ModelCheckpoint(save_weights_only=False)
+    does) after batch `at` and stops the fit there, as a crash would."""
+
+    def __init__(self, path, at):
+        super().__init__()
+        self.path, self.at = path, at
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.at:
+            self.model.save(self.path)
+            self.model.stop_training = True
+
+
+@pytest.mark.parametrize("partial", ["carry", "flush", "drop"])
+def test_an_open_window_travels_in_a_keras_file(tmp_path, partial):
+    # 10 micro-batches of 4 at k = 3; the save holds 5 of them (a window and 2 of
+    # the next): under carry at the end of a fit on 20 samples, under flush and drop
+    # in the middle of an epoch (steps_per_execution=1, a callback's save).
+    x, y = data(40)
+    path = str(tmp_path / "open.keras")
+    full = _trainer(partial)
+    full.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    if partial == "carry":
+        part = _trainer(partial)
+        part.fit(x[:20], y[:20], batch_size=4, shuffle=False, verbose=0)
+        with pytest.warns(UserWarning, match="load the file with gradaccum.load_model"):
+            part.save(path)
+    else:
+        part = _trainer(partial, steps_per_execution=1)
+        with pytest.warns(UserWarning, match=r"open window \(2 micro-batches\)"):
+            part.fit(x, y, batch_size=4, shuffle=False, verbose=0,
+                     callbacks=[SaveAt(path, at=4)])
+    # The file is Keras's: it loads without gradaccum (the window left out), with
+    # the weights after the first window.
+    plain = keras.saving.load_model(path)
+    assert type(plain) is keras.Sequential
+    assert_weights_close(plain, _plain(windows_of([4] * 3, [3]), x, y,
+                                       keras.optimizers.Adam(0.05)))
+    resumed = gradaccum.accumulate(gradaccum.load_model(path), steps=3, partial=partial)
+    assert gradaccum.attach.accumulation_of(resumed).open_micro_batches() == 2
+    resumed.fit(x[20:], y[20:], batch_size=4, shuffle=False, verbose=0)
+    assert_weights_close(resumed, full)
+    assert_optimizer_close(resumed.optimizer, full.optimizer)
+    # Without gradaccum.load_model the window is lost: the difference is real.
+    lost = gradaccum.accumulate(plain, steps=3, partial=partial)
+    lost.fit(x[20:], y[20:], batch_size=4, shuffle=False, verbose=0)
+    assert max_gap(lost, full) > 1e-3
+
+
+def test_a_keras_file_for_another_window_rule_names_the_way_out(tmp_path):
+    x, y = data(20)
+    model = _trainer("carry")
+    model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    path = str(tmp_path / "open.keras")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.save(path)
+    with pytest.raises(ValueError, match=r"window rule \(steps=3; this model's: steps=4\)"):
+        gradaccum.accumulate(gradaccum.load_model(path), steps=4, partial="carry")
+    # A closed window goes on under any rule; a file saved without gradaccum loads.
+    plain = mlp(0)
+    plain.compile(keras.optimizers.Adam(0.05), SCE)
+    plain.save(str(tmp_path / "plain.keras"))
+    loaded = gradaccum.load_model(str(tmp_path / "plain.keras"))
+    assert type(loaded) is keras.Sequential
+
+
+def test_a_save_that_cannot_carry_the_window_warns(tmp_path):
+    x, y = data(20)
+    model = _trainer("carry")
+    model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    with pytest.warns(UserWarning, match=r"cannot write the open window \(2 micro-batches\)"):
+        model.save(str(tmp_path / "legacy.h5"))
+    # keras.saving.save_model writes Keras's file without asking the model's save.
+    with pytest.warns(UserWarning, match=r"into this file: only model.save to a local"):
+        keras.saving.save_model(model, str(tmp_path / "by_keras.keras"))
+    # model.save and save_weights carry it: no warning of a loss.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        model.save_weights(str(tmp_path / "w.weights.h5"))
+
+
+# add_loss summed over the batch -------------------------------------------------------------
+
+
+class Penalty(keras.layers.Layer):
+    """Adds `0.01 * sum(x^2)`, over the batch (`summed`) or per sample."""
+
+    def __init__(self, summed=True, **kwargs):
+        super().__init__(**kwargs)
+        self.summed = summed
+
+    def call(self, x):
+        total = 0.01 * keras.ops.sum(keras.ops.square(x))
+        if not self.summed:
+            total = total / keras.ops.cast(keras.ops.shape(x)[0], total.dtype)
+        self.add_loss(total)
+        return x
+
+
+def _penalized(summed, *middle):
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8),
+                              Penalty(summed, name="penalty"), *middle,
+                              keras.layers.Dense(3)])
+    rng = np.random.default_rng(0)
+    model.set_weights([rng.normal(0, 0.5, w.shape).astype("float32")
+                       for w in model.get_weights()])
+    return model
+
+
+def _generator(x, y, size=4):
+    for start in range(0, len(x), size):
+        yield x[start:start + size], y[start:start + size]
+
+
+@pytest.mark.parametrize("source", ["arrays", "generator"])
+def test_a_loss_summed_over_the_batch_is_warned_at_fit_in_audits_words(source):
+    x, y = data(24)
+    model = gradaccum.accumulate(_penalized(True), steps=3)
+    model.compile(keras.optimizers.SGD(0.1), SCE)
+    given = (x, y) if source == "arrays" else (_generator(x, y),)
+    with pytest.warns(UserWarning) as caught:
+        model.fit(*given, batch_size=4 if source == "arrays" else None, shuffle=False,
+                  verbose=0)
+    said = [str(w.message) for w in caught]
+    cause = added_losses.cause(model.get_layer("penalty"))
+    assert said.count("Accumulation is approximate for this model. " + cause) == 1
+    # The probe changed nothing: every micro-batch trained (the generator's first
+    # too), as on the model trained without the check.
+    quiet = gradaccum.accumulate(_penalized(True), steps=3)
+    quiet.compile(keras.optimizers.SGD(0.1), SCE)
+    gradaccum.attach.accumulation_of(quiet)._warned.add("added_losses")
+    quiet.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    assert_weights_close(model, quiet, rtol=0, atol=0)
+    assert int(model.optimizer.iterations) == 2
+
+
+def test_a_loss_averaged_per_sample_is_not_warned_and_is_exact():
+    x, y = data(24)
+    model = gradaccum.accumulate(_penalized(False), steps=3)
+    model.compile(keras.optimizers.SGD(0.1), SCE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    reference = _penalized(False)
+    reference.compile(keras.optimizers.SGD(0.1), SCE)
+    reference_fit(reference, windows_of([4] * 6, [3, 3]), x, y)
+    assert_weights_close(model, reference)
+
+
+# Causes audit names: each warned at fit, or inherent and documented.
+# (The words `audit` uses, the cause's kind.)
+CAUSES = {
+    "(`add_loss`) is summed over the batch": "warned at fit",
+    "draws its random numbers": "inherent",
+    "each micro-batch is normalized with its own mean and variance": "inherent",
+}
+
+
+def test_each_cause_audit_names_is_warned_at_fit_or_documented_as_inherent():
+    import pathlib
+
+    x, y = data(24)
+    middle = (keras.layers.Dropout(0.3), keras.layers.BatchNormalization())
+    model = _penalized(True, *middle)
+    model.compile(keras.optimizers.SGD(0.1), SCE)
+    report = gradaccum.audit(model, x, y, steps=3, batch_size=4)
+    assert len(report.causes) == len(CAUSES)
+    gradaccum.accumulate(model, steps=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    said = {str(w.message) for w in caught}
+    readme = pathlib.Path(__file__).parents[2].joinpath("README.md").read_text()
+    for cause in report.causes:
+        kinds = [kind for words, kind in CAUSES.items() if words in cause]
+        assert len(kinds) == 1, cause
+        if kinds[0] == "warned at fit":
+            assert "Accumulation is approximate for this model. " + cause in said
+        else:
+            assert not any(cause in text for text in said)
+    assert "Dropout" in readme and "batch normalization" in readme.lower()
+
+
+# reduction and weighting ------------------------------------------------------------------
+
+
+def test_a_loss_summed_over_the_batch_is_exact_with_reduction_sum():
+    # Before, accumulate(reduction="sum") refused a summed loss, telling the user to
+    # pass reduction="sum".
+    x, y = data(30)
+    model = gradaccum.accumulate(mlp(0), steps=3, reduction="sum")
+    model.compile(keras.optimizers.SGD(0.01), SUM_SCE)
+    history = model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    reference = _plain(windows_of([4] * 7 + [2], [3, 3, 2]), x, y,
+                       keras.optimizers.SGD(0.01), loss=SUM_SCE)
+    assert_weights_close(model, reference)
+    assert history.history["window_weight"] == [6.0]
+
+
+@pytest.mark.parametrize("reduction, loss_reduction, message", [
+    ("mean", "sum", "For a loss summed over the batch, pass reduction='sum' to gradaccum"),
+    ("mean", None, "Give the loss reduction='sum_over_batch_size' (a mean: weighted "
+                   "exactly), or reduction='sum' and pass reduction='sum' to gradaccum."),
+    ("sum", "none", "which returns each sample's loss"),
+])
+def test_a_loss_weighting_exact_cannot_weigh_says_what_to_pass(reduction, loss_reduction,
+                                                               message):
+    model = gradaccum.accumulate(mlp(0), steps=3, reduction=reduction)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True,
+                                                      reduction=loss_reduction)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        model.compile(keras.optimizers.SGD(0.1), loss)
+    # What the message says to pass works.
+    if loss_reduction == "sum":
+        fixed = gradaccum.accumulate(mlp(0), steps=3, reduction="sum")
+        fixed.compile(keras.optimizers.SGD(0.1), loss)
+    for other in ("uniform", lambda x, y, sw: 1.0):
+        ok = gradaccum.accumulate(mlp(0), steps=3, reduction=reduction, weighting=other)
+        ok.compile(keras.optimizers.SGD(0.1), loss)
