@@ -195,6 +195,7 @@ SLOW = [
     "test_a_loss_summed_over_the_batch_is_warned_at_fit_in_audits_words[generator]",
     "contract/test_nothing_lost.py::test_a_keras_file_for_another_window_rule_names_the_way_out",
     "contract/test_nothing_lost.py::test_a_loss_averaged_per_sample_is_not_warned_and_is_exact",
+    "contract/test_nothing_lost.py::test_the_check_changes_no_draw_of_a_pydataset_or_its_model",
     "contract/test_nothing_lost.py::"
     "test_each_cause_audit_names_is_warned_at_fit_or_documented_as_inherent",
     "contract/test_nothing_lost.py::test_a_loss_summed_over_the_batch_is_exact_with_reduction_sum",

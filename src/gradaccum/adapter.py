@@ -225,7 +225,7 @@ class Accumulation(abc.ABC):
     def fit(self, fit, x, y, batch_size, epochs_, verbose, callbacks, kwargs):
         """Runs `fit` (the host's own) with gradaccum's hook first among callbacks."""
         check_private_fit(self.options, x, batch_size)
-        x = self.warn_added_losses(x, batch_size)
+        x = self.warn_added_losses(x)
         self.verbose = verbose
         self._warned.discard("repeated")
         hook = epochs.EpochHook(self)
@@ -241,7 +241,7 @@ class Accumulation(abc.ABC):
         epochs.after_fit(self)
         return history
 
-    def warn_added_losses(self, x, batch_size):
+    def warn_added_losses(self, x):
         """Before a model's first `fit` with windows of several micro-batches: warns
         once of each `add_loss` term summed over the batch, as `audit` names it
         (found on the data's first samples: `added_losses.probe`). Returns the `x`
@@ -251,7 +251,7 @@ class Accumulation(abc.ABC):
                 not options.split and options.window.constant == 1):
             return x
         self._warned.add("added_losses")
-        layers, x = added_losses.probe(self.layers, x, batch_size)
+        layers, x = added_losses.probe(self.layers, x)
         for layer in layers:
             warnings.warn("Accumulation is approximate for this model. "
                           + added_losses.cause(layer), stacklevel=4)

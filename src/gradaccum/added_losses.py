@@ -16,7 +16,7 @@ import numpy as np
 
 from gradaccum import _keras_common as kc
 
-# At most this many samples of the data's first batch probe `fit`'s model.
+# At most this many samples probe `fit`'s model.
 PROBE_SAMPLES = 8
 
 
@@ -58,19 +58,29 @@ def summed(whole: list, parts: list, sizes) -> list:
     return layers
 
 
-def probe(model, x, batch_size=None) -> tuple:
-    """The layers of `model` whose `add_loss` term is summed over the batch, found on
-    the first samples of `fit`'s `x` (arrays, a `tf.data.Dataset`, a
-    `keras.utils.PyDataset`, a Python generator; data the model cannot be called on
-    as it is finds nothing), and the `x` to train on (a generator's first batch is
-    read, and given back in front of the rest). Changes no variable or random
-    state."""
+def probe(model, x) -> tuple:
+    """The layers of `model` whose `add_loss` term is summed over the batch, and the
+    `x` to train on. The probe's inputs: the first samples of arrays; a Python
+    generator's first batch (read, and given back in front of the rest); else (a
+    `tf.data.Dataset`, a `keras.utils.PyDataset`: reading them would move their
+    shuffling and augmentation) inputs made up from the model's input shapes and
+    dtypes with a generator of the probe's own. A model not built, or that cannot be
+    called on the inputs as given (a task whose preprocessing runs in `fit`), finds
+    nothing. Changes no variable or random state."""
+    batch = None
     if inspect.isgenerator(x):
         x, first = _peeked(x)
-        batch = None if first is None else _first_inputs(first[0], batch_size)
-    else:
-        batch = _first_inputs(x, batch_size)
+        if first is not None:
+            batch = _first_rows(first[0])
+    elif not (isinstance(x, keras.utils.PyDataset) or _is_dataset(x)):
+        batch = _first_rows(x)
+    if batch is None:
+        batch = _made_up(model)
     return (_summed_on(model, batch) if batch is not None and model.built else []), x
+
+
+def _is_dataset(x) -> bool:
+    return hasattr(x, "take") and hasattr(x, "element_spec")
 
 
 def _peeked(generator):
@@ -87,6 +97,50 @@ def _peeked(generator):
 
     inputs = first[0] if isinstance(first, tuple) else first
     return again(), (inputs,)
+
+
+def _first_rows(inputs):
+    """At most `PROBE_SAMPLES` first samples of array inputs (None: fewer than 2,
+    or not arrays)."""
+    try:
+        flat = keras.tree.flatten(inputs) if inputs is not None else []
+        if not flat or not all(hasattr(t, "shape") and len(t.shape) for t in flat):
+            return None
+        if len(flat[0]) < 2:
+            return None
+        return _rows(inputs, 0, min(len(flat[0]), PROBE_SAMPLES))
+    except Exception:  # noqa: BLE001 (an input of another kind: no probe)
+        return None
+
+
+def _made_up(model):
+    """`PROBE_SAMPLES` inputs of the model's input shapes and dtypes (normal floats
+    from the probe's own generator, integers 0), or None where the model has no
+    known inputs or one of another kind."""
+    try:
+        inputs = model.inputs
+    except (AttributeError, ValueError):
+        return None
+    if not inputs:
+        return None
+    rng = np.random.default_rng(0)
+
+    def made(spec):
+        shape = (PROBE_SAMPLES, *spec.shape[1:])
+        if any(d is None for d in shape):
+            raise ValueError("an input of unknown shape")
+        dtype = keras.backend.standardize_dtype(spec.dtype)
+        if "float" in dtype:
+            return rng.normal(size=shape).astype(dtype)
+        if "int" in dtype or dtype == "bool":
+            return np.zeros(shape, dtype)
+        raise ValueError(f"an input of dtype {dtype}")
+
+    try:
+        made_up = [made(spec) for spec in inputs]
+    except ValueError:
+        return None
+    return made_up[0] if len(made_up) == 1 else made_up
 
 
 def _summed_on(model, batch) -> list:
@@ -108,34 +162,6 @@ def _summed_on(model, batch) -> list:
     return summed(whole, parts, [half, size - half])
 
 
-def _first_inputs(x, batch_size):
-    """The inputs of at most `PROBE_SAMPLES` samples of the data's first batch, as
-    arrays (None where the source cannot be read without consuming it)."""
-    try:
-        if isinstance(x, keras.utils.PyDataset):
-            first = x[0]
-            inputs = first[0] if isinstance(first, tuple) else first
-        elif hasattr(x, "take") and hasattr(x, "element_spec"):  # a tf.data.Dataset
-            for element in x.take(1):
-                inputs = element[0] if isinstance(element, tuple) else element
-                break
-            else:
-                return None
-            inputs = keras.tree.map_structure(np.asarray, inputs)
-        else:
-            inputs = x
-            flat = keras.tree.flatten(inputs) if inputs is not None else []
-            if not flat or not all(hasattr(t, "shape") and len(t.shape) for t in flat):
-                return None
-        flat = keras.tree.flatten(inputs)
-        if not flat or not hasattr(flat[0], "shape") or not len(flat[0].shape):
-            return None
-        count = min(len(flat[0]), batch_size or PROBE_SAMPLES, PROBE_SAMPLES)
-        return _rows(inputs, 0, count)
-    except Exception:  # noqa: BLE001 (an input of another kind: no probe)
-        return None
-
-
 def _rows(inputs, start, end):
     return keras.tree.map_structure(lambda t: t[start:end], inputs)
 
@@ -143,7 +169,7 @@ def _rows(inputs, start, end):
 class Snapshot:
     """Every variable of a model and its optimizers, and the random state Keras
     draws unseeded numbers from (its global seed generator, Python's `random`,
-    which seeds a new one), to put back."""
+    which seeds a new one) and NumPy's global one, to put back."""
 
     def __init__(self, model):
         from keras.src.backend.common import global_state
@@ -164,6 +190,7 @@ class Snapshot:
         self.generator_state = (None if self.generator is None
                                 else np.array(self.generator.state.numpy()))
         self.python_random = random.getstate()
+        self.numpy_random = np.random.get_state()
 
     def restore(self) -> None:
         for variable, value in zip(self.variables, self.values):
@@ -175,3 +202,4 @@ class Snapshot:
                                                     self.generator)
             self.generator.state.assign(self.generator_state)
         random.setstate(self.python_random)
+        np.random.set_state(self.numpy_random)

@@ -42,8 +42,9 @@ def save(model, accumulation, keras_save, filepath, overwrite, zipped, kwargs, s
                and os.fspath(filepath).endswith(".keras")
                and "://" not in os.fspath(filepath) and zipped in (None, True))
     if not carried:
+        result = keras_save(filepath, overwrite)
         _warn_open(accumulation, filepath)
-        return keras_save(filepath, overwrite)
+        return result
     filepath = os.fspath(filepath)
     if not overwrite and os.path.exists(filepath):
         from gradaccum import _keras_common as kc

@@ -107,7 +107,8 @@ def test_loss_scale_factor_changes_nothing(path):
     # accumulation (on PyTorch gradaccum's step once left the loss unscaled: every
     # update was 1/64 of Keras's).
     x, y = data(30)
-    scaled = lambda: keras.optimizers.Adam(0.05, loss_scale_factor=FACTOR)  # noqa: E731
+    # SGD: Adam's update hardly changes with the gradient's scale.
+    scaled = lambda: keras.optimizers.SGD(0.1, loss_scale_factor=FACTOR)  # noqa: E731
     if path == "split":
         model = gradaccum.accumulate(mlp(0), micro_batch_size=4)
         model.compile(scaled(), SCE)
@@ -122,7 +123,7 @@ def test_loss_scale_factor_changes_nothing(path):
         windows = (windows_of([4] * 7 + [2], [1] * 8) if steps == 1
                    else windows_of([4] * 7 + [2], [3, 3, 2]))
     with_factor = _plain(windows, x, y, scaled())
-    without = _plain(windows, x, y, keras.optimizers.Adam(0.05))
+    without = _plain(windows, x, y, keras.optimizers.SGD(0.1))
     assert max_gap(model, mlp(0)) > 1e-2
     assert_weights_close(model, with_factor)
     assert_weights_close(model, without)
@@ -282,6 +283,46 @@ def test_a_loss_summed_over_the_batch_is_warned_at_fit_in_audits_words(source):
     quiet.fit(x, y, batch_size=4, shuffle=False, verbose=0)
     assert_weights_close(model, quiet, rtol=0, atol=0)
     assert int(model.optimizer.iterations) == 2
+
+
+class Noisy(keras.utils.PyDataset):
+    """Batches of 4 with NumPy's global generator's noise added (augmentation)."""
+
+    def __init__(self, x, y):
+        super().__init__()
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.x) // 4
+
+    def __getitem__(self, i):
+        part = slice(4 * i, 4 * i + 4)
+        return self.x[part] + np.random.normal(size=self.x[part].shape).astype("float32"), \
+            self.y[part]
+
+
+@pytest.mark.parametrize("summed", [True, False])
+def test_the_check_changes_no_draw_of_a_pydataset_or_its_model(summed):
+    # The check calls the model on inputs of its own (not the PyDataset's: reading
+    # one would move NumPy's generator its augmentation draws from), and puts back
+    # every variable and random state: Dropout's masks, the moving statistics.
+    x, y = data(24)
+    runs = []
+    for check in (True, False):
+        keras.utils.set_random_seed(3)
+        middle = (keras.layers.Dropout(0.3, seed=1), keras.layers.BatchNormalization())
+        model = gradaccum.accumulate(_penalized(summed, *middle), steps=3)
+        model.compile(keras.optimizers.SGD(0.1), SCE)
+        if not check:
+            gradaccum.attach.accumulation_of(model)._warned.add("added_losses")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(Noisy(x, y), epochs=2, verbose=0)
+        runs.append(model)
+        if check:
+            said = [str(w.message) for w in caught if "(`add_loss`)" in str(w.message)]
+            assert len(said) == int(summed)
+    assert_weights_close(runs[0], runs[1], rtol=0, atol=0)
 
 
 def test_a_loss_averaged_per_sample_is_not_warned_and_is_exact():
