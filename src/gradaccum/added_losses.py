@@ -64,9 +64,12 @@ def probe(model, x) -> tuple:
     generator's first batch (read, and given back in front of the rest); else (a
     `tf.data.Dataset`, a `keras.utils.PyDataset`: reading them would move their
     shuffling and augmentation) inputs made up from the model's input shapes and
-    dtypes with a generator of the probe's own. A model not built, or that cannot be
-    called on the inputs as given (a task whose preprocessing runs in `fit`), finds
-    nothing. Changes no variable or random state."""
+    dtypes with a generator of the probe's own. A model not built, whose layers'
+    classes never call `add_loss` (`may_add_losses`), or that cannot be called on
+    the inputs as given (a task whose preprocessing runs in `fit`), finds nothing.
+    Changes no variable or random state."""
+    if not model.built or not may_add_losses(model):
+        return [], x
     batch = None
     if inspect.isgenerator(x):
         x, first = _peeked(x)
@@ -76,7 +79,31 @@ def probe(model, x) -> tuple:
         batch = _first_rows(x)
     if batch is None:
         batch = _made_up(model)
-    return (_summed_on(model, batch) if batch is not None and model.built else []), x
+    return (_summed_on(model, batch) if batch is not None else []), x
+
+
+# Layers of these packages add no loss summed over the batch (Keras's activity
+# regularizers are divided by the batch size).
+_KNOWN = ("keras.", "keras_hub.", "keras_nlp.", "tensorflow.", "tf_keras.", "builtins")
+
+
+def may_add_losses(model) -> bool:
+    """Whether a class of the model's layers (the model's own included) outside
+    Keras and KerasHub may call `add_loss`: its source names it, or is not readable.
+    The probe calls no other model (a forward pass a model's own code could see)."""
+    seen = set()
+    for layer in kc.flatten_layers(model):
+        for cls in type(layer).__mro__:
+            if cls.__module__.startswith(_KNOWN) or cls in seen:
+                break
+            seen.add(cls)
+            try:
+                source = inspect.getsource(cls)
+            except (OSError, TypeError):
+                return True
+            if "add_loss" in source:
+                return True
+    return False
 
 
 def _is_dataset(x) -> bool:
