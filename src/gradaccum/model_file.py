@@ -18,7 +18,6 @@ import contextlib
 import io
 import json
 import os
-import tempfile
 import warnings
 import zipfile
 
@@ -46,35 +45,19 @@ def save(model, accumulation, keras_save, filepath, overwrite, zipped, kwargs, s
         _warn_open(accumulation, filepath)
         return result
     filepath = os.fspath(filepath)
-    if not overwrite and os.path.exists(filepath):
-        from gradaccum import _keras_common as kc
+    if not state_file.keras_save(filepath, overwrite, (), {})[0]:
+        return None
 
-        if not kc.ask_to_proceed_with_overwrite(filepath):
-            return None
-    target = os.path.realpath(filepath)
-    folder = os.path.dirname(target) or "."
-    handle, temporary = tempfile.mkstemp(
-        prefix=f".{os.path.basename(target)[:-len('.keras')]}.gradaccum-tmp-",
-        suffix=".keras", dir=folder)
-    os.close(handle)
-    try:
-        keras_save(temporary, True)
+    def add_window(written):
         content = io.BytesIO()
-        np.savez(content, **{
-            state_file._FORMAT: np.asarray(state_file.FORMAT),
-            state_file._SIGNATURE: np.asarray(json.dumps(signature, sort_keys=True)),
-            **{key: np.asarray(value) for key, value in store.items()},
-        })
-        with zipfile.ZipFile(temporary, "a") as archive:
+        np.savez(content, **state_file.stamped(store, signature))
+        with zipfile.ZipFile(written, "a") as archive:
             archive.writestr(WINDOW, content.getvalue())
-        with open(temporary, "rb+") as f:
+        with open(written, "rb+") as f:
             os.fsync(f.fileno())
-        state_file._give_mode(temporary, target)
-        os.replace(temporary, target)
-        state_file._sync_folder(target)
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
+
+    state_file.save_atomically(lambda path: keras_save(path, True), filepath,
+                               before_rename=add_window, suffix=".keras")
     micro_batches = accumulation.open_micro_batches()
     if micro_batches and "model_file" not in accumulation._warned:
         accumulation._warned.add("model_file")

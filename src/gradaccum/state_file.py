@@ -103,10 +103,8 @@ def save(save_weights, filepath, state: dict, signature: dict, sharded=False) ->
             previous = {}
 
     def commit(written):
-        store = {_FORMAT: np.asarray(FORMAT),
-                 _SIGNATURE: np.asarray(json.dumps(signature, sort_keys=True)),
-                 _WEIGHTS: np.asarray(digest(written))}
-        store.update({key: np.asarray(value) for key, value in state.items()})
+        store = stamped(state, signature)
+        store[_WEIGHTS] = np.asarray(digest(written))
         store.update({_PREVIOUS + key: value for key, value in previous.items()})
         _write(path, store)
 
@@ -115,6 +113,15 @@ def save(save_weights, filepath, state: dict, signature: dict, sharded=False) ->
         commit(filepath)
     else:
         save_atomically(save_weights, filepath, before_rename=commit)
+
+
+def stamped(state: dict, signature: dict) -> dict:
+    """A saved state's entries: the state's own (`saving.PREFIX` names) with the
+    format and the signature (the model and window rule it is for)."""
+    store = {_FORMAT: np.asarray(FORMAT),
+             _SIGNATURE: np.asarray(json.dumps(signature, sort_keys=True))}
+    store.update({key: np.asarray(value) for key, value in state.items()})
+    return store
 
 
 def keras_save(filepath, overwrite, args, kwargs) -> tuple[bool, bool]:
@@ -135,21 +142,23 @@ def _resolved(filepath) -> str:
     return filepath if "://" in filepath else os.path.realpath(filepath)
 
 
-def save_atomically(save_weights, filepath, before_rename=None, atomic=True) -> None:
-    """`save_weights(path)` to a temporary `.weights.h5` file beside `filepath`,
-    then renamed over it, so that a kill leaves the previous file whole (other
-    paths, sharded or remote, are written in place, and so is any save where not
-    `atomic`: Keras shards a `max_shard_size` save whatever the name).
-    `before_rename(path)` runs between the write and the rename."""
+def save_atomically(save_weights, filepath, before_rename=None, atomic=True,
+                    suffix=_SUFFIX) -> None:
+    """`save_weights(path)` to a temporary file beside `filepath` (named to end in
+    `suffix`, as Keras requires), then renamed over it, so that a kill leaves the
+    previous file whole (other paths, sharded or remote, are written in place, and
+    so is any save where not `atomic`: Keras shards a `max_shard_size` save
+    whatever the name). `before_rename(path)` runs between the write and the
+    rename."""
     filepath = os.fspath(filepath)
-    atomic = atomic and filepath.endswith(_SUFFIX) and "://" not in filepath
+    atomic = atomic and filepath.endswith(suffix) and "://" not in filepath
     written = filepath
     if atomic:
         # Through a symbolic link, as Keras writes.
         filepath = os.path.realpath(filepath)
-        _remove_leftovers(filepath)
+        _remove_leftovers(filepath, suffix)
         handle, written = tempfile.mkstemp(
-            prefix=_temporary_prefix(filepath), suffix=_SUFFIX,
+            prefix=_temporary_prefix(filepath, suffix), suffix=suffix,
             dir=os.path.dirname(filepath) or ".")
         os.close(handle)
     try:
@@ -165,19 +174,19 @@ def save_atomically(save_weights, filepath, before_rename=None, atomic=True) -> 
             os.remove(written)
 
 
-def _temporary_prefix(filepath: str) -> str:
-    """The start of the name of a save's temporary weights file."""
-    return f".{os.path.basename(filepath)[:-len(_SUFFIX)]}.gradaccum-tmp-"
+def _temporary_prefix(filepath: str, suffix: str = _SUFFIX) -> str:
+    """The start of the name of a save's temporary file."""
+    return f".{os.path.basename(filepath)[:-len(suffix)]}.gradaccum-tmp-"
 
 
-def _remove_leftovers(filepath: str) -> None:
+def _remove_leftovers(filepath: str, suffix: str = _SUFFIX) -> None:
     """Removes the temporary files a save to `filepath` killed before its renames
     left (never read: the pair on disk is whole without them)."""
     folder = os.path.dirname(filepath) or "."
-    weights = _temporary_prefix(filepath)
+    weights = _temporary_prefix(filepath, suffix)
     state = f".{os.path.basename(saving.sidecar(filepath))}.gradaccum-tmp-"
     for name in os.listdir(folder):
-        if ((name.startswith(weights) and name.endswith(_SUFFIX))
+        if ((name.startswith(weights) and name.endswith(suffix))
                 or name.startswith(state)):
             try:
                 os.remove(os.path.join(folder, name))
