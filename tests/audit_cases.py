@@ -212,10 +212,12 @@ def test_a_skipped_micro_batch_is_named():
     report = gradaccum.audit(mlp(), x, y, steps=4, batch_size=8)
     assert not report.exact
     # The window as one batch is skipped once, and the second micro-batch.
+    # In the words fit warns with.
     assert report.causes == [
-        "2 micro-batch(es) had a gradient that is not finite (inf or nan) and were "
-        "skipped (nonfinite='skip', or a loss scale that overflowed): their gradients "
-        "count as zero. Check the data and the loss."
+        "gradaccum skipped 2 micro-batch(es) whose gradient is not finite (inf or "
+        "nan): each is dropped with its weight and counted in `skipped` (in fit's logs "
+        "too; nonfinite='skip'). Pass nonfinite='raise' to stop at the first, or "
+        "nonfinite='apply' for Keras's behaviour."
     ]
 
 

@@ -29,7 +29,7 @@ from gradaccum.core.privacy import check_fit as check_private_fit
 from gradaccum.core.privacy import check_layers as check_private_layers
 from gradaccum.core.privacy import spent
 from gradaccum.core.screening import warn_skipped
-from gradaccum.weighting import NormalizerLog
+from gradaccum.weighting import NormalizerLog, micro_batch_sizes, uniform_message
 
 # The instance attribute that holds a model's accumulation (both doors).
 ATTRIBUTE = "_gradaccum_accumulation"
@@ -226,6 +226,7 @@ class Accumulation(abc.ABC):
         """Runs `fit` (the host's own) with gradaccum's hook first among callbacks."""
         check_private_fit(self.options, x, batch_size)
         x = self.warn_added_losses(x)
+        self.warn_uniform(x, batch_size, kwargs)
         self.verbose = verbose
         self._warned.discard("repeated")
         hook = epochs.EpochHook(self)
@@ -256,6 +257,21 @@ class Accumulation(abc.ABC):
             warnings.warn("Accumulation is approximate for this model. "
                           + added_losses.cause(layer), stacklevel=4)
         return x
+
+    def warn_uniform(self, x, batch_size, kwargs) -> None:
+        """Before a `fit` on arrays under weighting='uniform': warns once, as `audit`
+        names it, where its micro-batches are of unequal sizes (the last batch's
+        rest, or a batch's rest in split mode), which then count the same."""
+        options = self.options
+        if options.weighting != "uniform" or "uniform" in self._warned or (
+                not options.split and options.window.constant == 1):
+            return
+        sizes = micro_batch_sizes(x, batch_size, kwargs.get("validation_split"),
+                                  options.micro_batch_size if options.split else None)
+        if sizes is not None and len(sizes) > 1:
+            self._warned.add("uniform")
+            warnings.warn("Accumulation is approximate for this model. "
+                          + uniform_message(sizes), stacklevel=4)
 
     def fit_failed(self) -> None:
         """`fit` raised: what the backend drops with it."""

@@ -22,7 +22,10 @@ from gradaccum import _keras_common as kc
 from gradaccum import added_losses
 from gradaccum._validation import check_choice, check_steps
 from gradaccum.adapter import Findings, accumulation_of
+from gradaccum.core import transitions as tr
 from gradaccum.core.moving_statistics import unfollowable_reason, window_aware
+from gradaccum.core.screening import skipped_message
+from gradaccum.weighting import uniform_message
 
 # Relative differences up to this are float32 noise (sums in another order); a
 # model computing in float16 or bfloat16 (mixed precision) has that dtype's noise.
@@ -381,26 +384,11 @@ def _causes(model, weighting, sizes, findings, summed_layers, inexact) -> list:
         causes += [text for _, text in Findings(**{
             name: findings[name] for name in Findings._fields}).step_causes()]
     if findings.get("skipped"):
-        causes.append(
-            f"{findings['skipped']} micro-batch(es) had a gradient that is not finite "
-            "(inf or nan) and were skipped (nonfinite='skip', or a loss scale that "
-            "overflowed): their gradients count as zero. Check the data and the loss."
-        )
+        causes.append(skipped_message(findings["skipped"]))
     if findings.get("inexact"):
-        causes.append(
-            "Loss terms whose normalizers are not proportional across micro-batches "
-            "(outputs with masks of their own): one weight per micro-batch cannot be "
-            "exact for all of them."
-        )
+        causes.append(tr.INEXACT)
     if weighting == "uniform" and (len(set(sizes)) > 1 or inexact):
-        causes.append(
-            "weighting='uniform' (micro-batches of "
-            + ", ".join(str(n) for n in sizes)
-            + " samples): each micro-batch counts the same, which is exact only where "
-            "every micro-batch's loss normalizer (its samples, unmasked tokens or "
-            "sample weights) is equal; weighting='exact' weighs them by their "
-            "normalizers."
-        )
+        causes.append(uniform_message(sizes))
     return causes
 
 

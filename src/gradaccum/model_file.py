@@ -37,27 +37,13 @@ def save(model, accumulation, keras_save, filepath, overwrite, zipped, kwargs, s
     in the archive (`keras_save(path, overwrite)` is Keras's save to a path)."""
     store = {}
     accumulation.save_to(store)
-    carried = (isinstance(filepath, (str, os.PathLike))
-               and os.fspath(filepath).endswith(".keras")
-               and "://" not in os.fspath(filepath) and zipped in (None, True))
-    if not carried:
+    if not _carried(filepath, zipped):
         result = keras_save(filepath, overwrite)
         _warn_open(accumulation, filepath)
         return result
     filepath = os.fspath(filepath)
-    if not state_file.keras_save(filepath, overwrite, (), {})[0]:
+    if not _write(keras_save, filepath, overwrite, state_file.stamped(store, signature)):
         return None
-
-    def add_window(written):
-        content = io.BytesIO()
-        np.savez(content, **state_file.stamped(store, signature))
-        with zipfile.ZipFile(written, "a") as archive:
-            archive.writestr(WINDOW, content.getvalue())
-        with open(written, "rb+") as f:
-            os.fsync(f.fileno())
-
-    state_file.save_atomically(lambda path: keras_save(path, True), filepath,
-                               before_rename=add_window, suffix=".keras")
     micro_batches = accumulation.open_micro_batches()
     if micro_batches and "model_file" not in accumulation._warned:
         accumulation._warned.add("model_file")
@@ -68,6 +54,33 @@ def save(model, accumulation, keras_save, filepath, overwrite, zipped, kwargs, s
             stacklevel=3,
         )
     return None
+
+
+def _carried(filepath, zipped) -> bool:
+    """Whether a save to `filepath` can hold the window: a local zipped `.keras`."""
+    return (isinstance(filepath, (str, os.PathLike))
+            and os.fspath(filepath).endswith(".keras")
+            and "://" not in os.fspath(filepath) and zipped in (None, True))
+
+
+def _write(keras_save, filepath, overwrite, entries) -> bool:
+    """Keras's file at `filepath` with `entries` (a state's, stamped) as the
+    `WINDOW` member, written atomically; False where the user declined to
+    overwrite."""
+    if not state_file.keras_save(filepath, overwrite, (), {})[0]:
+        return False
+
+    def add_window(written):
+        content = io.BytesIO()
+        np.savez(content, **entries)
+        with zipfile.ZipFile(written, "a") as archive:
+            archive.writestr(WINDOW, content.getvalue())
+        with open(written, "rb+") as f:
+            os.fsync(f.fileno())
+
+    state_file.save_atomically(lambda path: keras_save(path, True), filepath,
+                               before_rename=add_window, suffix=".keras")
+    return True
 
 
 def _warn_open(accumulation, filepath, stacklevel=3) -> None:
@@ -142,7 +155,34 @@ def load_model(filepath, custom_objects=None, compile=True, safe_mode=True):
     saved = read(filepath)
     if saved is not None:
         model.__dict__[SAVED] = (os.fspath(filepath), saved)
+        _keep_on_save(model, saved)
     return model
+
+
+def _keep_on_save(model, saved) -> None:
+    """Until `accumulate` takes the saved state, the model's `save` writes it again
+    (a loaded model saved before it trains keeps its window)."""
+    cls = type(model)
+    entries = {state_file._FORMAT: np.asarray(state_file.FORMAT), **saved}
+
+    def save(filepath, overwrite=True, zipped=None, **kwargs):
+        def keras_save(path, overwrite):
+            return cls.save(model, path, overwrite=overwrite, zipped=zipped, **kwargs)
+
+        if _carried(filepath, zipped):
+            _write(keras_save, os.fspath(filepath), overwrite, entries)
+            return None
+        result = keras_save(filepath, overwrite)
+        if state_file._open_window(saved):
+            warnings.warn(
+                f"gradaccum cannot write the open window gradaccum.load_model read "
+                f"into {filepath!r}: only model.save to a local zipped `.keras` file "
+                "carries it; else the window's micro-batches are lost at a load.",
+                stacklevel=2,
+            )
+        return result
+
+    model.__dict__["save"] = save
 
 
 def read(filepath) -> dict | None:
@@ -179,6 +219,7 @@ def take(model, accumulation, signature) -> None:
     found = model.__dict__.pop(SAVED, None)
     if found is None:
         return
+    # (`accumulate` has installed its own `save`, which writes the state it takes.)
     filepath, values = found
     values = dict(values)
     saved = values.pop(state_file._SIGNATURE)

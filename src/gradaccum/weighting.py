@@ -13,6 +13,7 @@ which computes the loss exactly as Keras does and records its normalizer.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import keras
@@ -211,6 +212,39 @@ def record_normalizers(loss, log: NormalizerLog, reduction: str = "mean"):
     if isinstance(loss, _NormalizedLoss):
         loss = loss.loss
     return _NormalizedLoss(loss, log, summed=reduction == "sum")
+
+
+def uniform_message(sizes) -> str:
+    """What `audit` names, and `fit` warns of, for weighting='uniform' over
+    micro-batches of `sizes` samples."""
+    return (
+        "weighting='uniform' (micro-batches of "
+        + ", ".join(str(n) for n in sizes)
+        + " samples): each micro-batch counts the same, which is exact only where "
+        "every micro-batch's loss normalizer (its samples, unmasked tokens or "
+        "sample weights) is equal; weighting='exact' weighs them by their "
+        "normalizers."
+    )
+
+
+def micro_batch_sizes(x, batch_size, validation_split=None, micro_batch_size=None):
+    """The distinct sizes of the micro-batches `fit` cuts arrays `x` into, largest
+    first (None: `x` is not arrays, or a split size is not a number)."""
+    flat = keras.tree.flatten(x) if x is not None else []
+    if not flat or not all(hasattr(t, "shape") and len(t.shape) for t in flat):
+        return None
+    samples = int(flat[0].shape[0])
+    if validation_split:
+        samples = int(math.ceil(samples * (1.0 - validation_split)))
+    batch = batch_size or 32  # Keras's default
+    batches = {min(batch, samples)} | ({samples % batch} if samples % batch else set())
+    if micro_batch_size is not None:
+        if not isinstance(micro_batch_size, int):
+            return None
+        batches = {part for b in batches
+                   for part in ({min(micro_batch_size, b)}
+                                | ({b % micro_batch_size} if b % micro_batch_size else set()))}
+    return sorted(batches, reverse=True)
 
 
 def callable_weight(fn, x, y, sample_weight):

@@ -215,6 +215,25 @@ def test_a_keras_file_for_another_window_rule_names_the_way_out(tmp_path):
     assert type(loaded) is keras.Sequential
 
 
+def test_a_loaded_model_saved_again_before_it_trains_keeps_the_window(tmp_path):
+    x, y = data(40)
+    full = _trainer("carry")
+    full.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    part = _trainer("carry")
+    part.fit(x[:20], y[:20], batch_size=4, shuffle=False, verbose=0)
+    first, second = str(tmp_path / "first.keras"), str(tmp_path / "second.keras")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        part.save(first)
+    gradaccum.load_model(first).save(second)
+    resumed = gradaccum.accumulate(gradaccum.load_model(second), steps=3, partial="carry")
+    assert gradaccum.attach.accumulation_of(resumed).open_micro_batches() == 2
+    resumed.fit(x[20:], y[20:], batch_size=4, shuffle=False, verbose=0)
+    assert_weights_close(resumed, full)
+    with pytest.warns(UserWarning, match="cannot write the open window gradaccum.load_model"):
+        gradaccum.load_model(first).save(str(tmp_path / "legacy.h5"))
+
+
 def test_a_save_that_cannot_carry_the_window_warns(tmp_path):
     x, y = data(20)
     model = _trainer("carry")
@@ -338,38 +357,81 @@ def test_a_loss_averaged_per_sample_is_not_warned_and_is_exact():
     assert_weights_close(model, reference)
 
 
-# Causes audit names: each warned at fit, or inherent and documented.
-# (The words `audit` uses, the cause's kind.)
+# Each cause audit names is warned at fit in audit's words, or is inherent in
+# micro-batches and documented (README); the counts in the words may differ (audit's
+# window holds the micro-batches of one window, fit's the whole data). A model's own
+# step's causes (an optimizer applied twice per batch, the DCGAN order) come from
+# one function for both (`Findings.step_causes`), tested in each backend's own-step
+# tests.
 CAUSES = {
     "(`add_loss`) is summed over the batch": "warned at fit",
+    "micro-batch(es) whose gradient is not finite": "warned at fit",
+    "weighting='uniform' (micro-batches of": "warned at fit",
+    "its loss terms have normalizers that are not proportional": "warned at fit",
     "draws its random numbers": "inherent",
     "each micro-batch is normalized with its own mean and variance": "inherent",
 }
 
 
-def test_each_cause_audit_names_is_warned_at_fit_or_documented_as_inherent():
+def _numbers_out(text):
+    import re
+
+    return re.sub(r"\d+(, \d+)*", "N", text)
+
+
+def _cause_case(name):
+    """`(model, x, y, fit and audit arguments)` of a model that has the cause."""
+    x, y = data(30)
+    kwargs = {}
+    if name == "added_loss":
+        model = _penalized(True)
+    elif name == "inherent":
+        model = _penalized(False, keras.layers.Dropout(0.3),
+                           keras.layers.BatchNormalization())
+    elif name == "skipped":
+        model = mlp(0)
+        x = x.copy()
+        x[9, 0] = np.nan
+    elif name == "uniform":
+        model = mlp(0)
+        kwargs = {"weighting": "uniform"}
+    else:  # "inexact": one loss broadcast to two outputs, their sample weights unequal
+        inputs = keras.Input((6,))
+        model = keras.Model(inputs, [keras.layers.Dense(1, name="a")(inputs),
+                                     keras.layers.Dense(1, name="b")(inputs)])
+        y = np.ones((30, 1), "float32")
+        unequal = np.where(np.arange(30) < 6, 3.0, 0.2).astype("float32")
+        return model, x, [y, y], {"sample_weight": [np.ones(30, "float32"), unequal]}, \
+            keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
+    return model, x, y, kwargs, SCE
+
+
+@pytest.mark.parametrize("name", ["added_loss", "inherent", "skipped", "uniform",
+                                  "inexact"])
+def test_each_cause_audit_names_is_warned_at_fit_or_documented_as_inherent(name):
     import pathlib
 
-    x, y = data(24)
-    middle = (keras.layers.Dropout(0.3), keras.layers.BatchNormalization())
-    model = _penalized(True, *middle)
-    model.compile(keras.optimizers.SGD(0.1), SCE)
-    report = gradaccum.audit(model, x, y, steps=3, batch_size=4)
-    assert len(report.causes) == len(CAUSES)
-    gradaccum.accumulate(model, steps=3)
+    model, x, y, kwargs, loss = _cause_case(name)
+    weighting = kwargs.pop("weighting", "exact")
+    model.compile(keras.optimizers.SGD(0.1), loss)
+    report = gradaccum.audit(model, x, y, steps=4, batch_size=8, weighting=weighting,
+                             **kwargs)
+    assert report.causes, name
+    gradaccum.accumulate(model, steps=4, weighting=weighting)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
-    said = {str(w.message) for w in caught}
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0, **kwargs)
+    said = [_numbers_out(str(w.message)) for w in caught]
     readme = pathlib.Path(__file__).parents[2].joinpath("README.md").read_text()
     for cause in report.causes:
         kinds = [kind for words, kind in CAUSES.items() if words in cause]
         assert len(kinds) == 1, cause
         if kinds[0] == "warned at fit":
-            assert "Accumulation is approximate for this model. " + cause in said
+            assert sum(_numbers_out(cause) in text for text in said) == 1, (cause, said)
         else:
-            assert not any(cause in text for text in said)
-    assert "Dropout" in readme and "batch normalization" in readme.lower()
+            assert not any(_numbers_out(cause) in text for text in said)
+    if name == "inherent":
+        assert "Dropout" in readme and "batch normalization" in readme.lower()
 
 
 # reduction and weighting ------------------------------------------------------------------

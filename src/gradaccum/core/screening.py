@@ -32,16 +32,19 @@ def raise_message(micro_batch: int, position: int) -> str:
     return f"{RAISE_WORDS[0]} {micro_batch} {RAISE_WORDS[1]} {position} {RAISE_WORDS[2]}"
 
 
-def warn_skipped(count: int = 1, stacklevel: int = 4) -> None:
-    """The one warning of nonfinite="skip" (shown once per accumulator)."""
-    warnings.warn(
+def skipped_message(count: int) -> str:
+    """What `fit` warns of skipped micro-batches, and `audit` names."""
+    return (
         f"gradaccum skipped {count} micro-batch(es) whose gradient is not finite "
         "(inf or nan): each is dropped with its weight and counted in `skipped` "
-        "(in fit's logs too; nonfinite='skip'; this warning is shown once). Pass "
-        "nonfinite='raise' to stop at the first, or nonfinite='apply' for Keras's "
-        "behaviour.",
-        stacklevel=stacklevel,
+        "(in fit's logs too; nonfinite='skip'). Pass nonfinite='raise' to stop at "
+        "the first, or nonfinite='apply' for Keras's behaviour."
     )
+
+
+def warn_skipped(count: int = 1, stacklevel: int = 4) -> None:
+    """The one warning of nonfinite="skip" (shown once per accumulator)."""
+    warnings.warn(skipped_message(count), stacklevel=stacklevel)
 
 
 def user_skip(nonfinite, gradients):

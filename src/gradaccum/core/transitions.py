@@ -665,16 +665,20 @@ def counters(record, iterations, skipped=None) -> dict:
     return logs
 
 
+# What `fit` warns of loss terms whose normalizers are not proportional across a
+# window, and `audit` names.
+INEXACT = (
+    "weighting='exact' is approximate for this model: its loss terms have "
+    "normalizers that are not proportional across the micro-batches of a "
+    "window (e.g. outputs with their own masks), so one weight per "
+    "micro-batch cannot reproduce the large-batch loss. Use equal "
+    "micro-batches, or a `weighting` callable for your normalizer."
+)
+
+
 def warn_inexact(stacklevel: int = 3) -> None:
     """Several loss terms whose normalizers are not proportional across a window."""
-    warnings.warn(
-        "weighting='exact' is approximate for this model: its loss terms have "
-        "normalizers that are not proportional across the micro-batches of a "
-        "window (e.g. outputs with their own masks), so one weight per "
-        "micro-batch cannot reproduce the large-batch loss. Use equal "
-        "micro-batches, or a `weighting` callable for your normalizer.",
-        stacklevel=stacklevel,
-    )
+    warnings.warn(INEXACT, stacklevel=stacklevel)
 
 
 def warn_no_compiled_loss(stacklevel: int = 4) -> None:
