@@ -505,3 +505,30 @@ def test_a_custom_loop_applying_with_the_inner_optimizer_still_moves_the_scale()
     assert int(lso.inner_optimizer.iterations.numpy()) == 1
     assert per_replica(strategy, lso.dynamic_scale) == [512.0] * 2
     assert int(acc.skipped.numpy()) == 1
+
+
+# float8 ------------------------------------------------------------------------------
+
+
+def test_float8_on_two_replicas_equals_one_device():
+    """A float8 block's scales and amax histories take the maximum across the
+    replicas, once per update (their sum would double them), and the loss each
+    replica differentiates is the global window's: the replicas train as one
+    device does on the global windows, in one reduction per update."""
+    from test_float8 import SCE as F8_SCE
+    from test_float8 import block, block_data, gaps
+
+    x, y = block_data(64)
+    one = gradaccum.accumulate(block(), steps=2)
+    one.compile(keras.optimizers.Adam(1e-2), F8_SCE)
+    one.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    ops = gradaccum.CountingCrossDeviceOps()
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=ops)
+    with strategy.scope():
+        model = gradaccum.accumulate(block(), steps=2)
+        model.compile(keras.optimizers.Adam(1e-2), F8_SCE)
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    gap = gaps(model, one)
+    assert max(gap.values()) < 1e-5, {p: g for p, g in gap.items() if g >= 1e-5}
+    assert int(model.optimizer.iterations.numpy()) == 4
+    assert int(ops.reductions) == 4

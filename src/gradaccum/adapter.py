@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 from gradaccum import _keras_common as kc
 from gradaccum import added_losses, epochs, saving
-from gradaccum.core import moving_statistics
+from gradaccum.core import moving_statistics, overwrite
 from gradaccum.core import transitions as tr
 from gradaccum.core.auto_size import AutoSize
 from gradaccum.core.moving_statistics import Follower
@@ -378,6 +378,7 @@ class Accumulation(abc.ABC):
                 "The model being trained must have trainable variables to accumulate "
                 f"gradients of. Received: model {layers.name!r} with none."
             )
+        self.check_overwrites()
         if self.options.privacy is not None:
             check_private_layers(layers)
             if kc.is_loss_scale_optimizer(host.optimizer):
@@ -401,6 +402,26 @@ class Accumulation(abc.ABC):
             # to each output of a subclassed model, whose outputs are unknown yet).
             terms = max(terms, TERM_SLOTS)
         return max(0, terms - 1)
+
+    def check_overwrites(self) -> None:
+        """`overwrite_with_gradient` variables (float8's): refused with privacy;
+        warned of where the window's maximum may not be one step on the window's
+        value (a model's own `train_step` and float8's output-gradient
+        measurements; a user's variable whose rule gradaccum cannot know)."""
+        if getattr(self, "_overwrites_checked", False):
+            return
+        self._overwrites_checked = True
+        variables = self.host.trainable_variables
+        if not overwrite.any_of(variables):
+            return
+        if self.options.privacy is not None:
+            raise ValueError(overwrite.privacy_message(overwrite.names(variables)))
+        measured = overwrite.gradient_measured(self.layers, variables)
+        if measured and self.own_train_step is not None:
+            warnings.warn(overwrite.own_step_message(measured), stacklevel=3)
+        unknown = overwrite.unknown_rules(self.layers, variables)
+        if unknown:
+            warnings.warn(overwrite.unknown_rule_message(unknown), stacklevel=3)
 
     @abc.abstractmethod
     def drop_state(self) -> None:

@@ -321,6 +321,10 @@ def _signature(model, accumulation) -> dict:
         # The trainable variables in order, by shape (paths change from one
         # instance of a model to the next; Keras loads weights by structure).
         "model": [list(v.shape) for v in model.trainable_variables],
+        # Their paths: where the same variables come in another order (a quantized
+        # layer loaded from a file builds its scales before its kernel), the saved
+        # window follows them (`state_file.reordered`).
+        "paths": [v.path for v in model.trainable_variables],
         "window": accumulation.options.rule(),
     }
 

@@ -222,8 +222,9 @@ def take(model, accumulation, signature) -> None:
     # (`accumulate` has installed its own `save`, which writes the state it takes.)
     filepath, values = found
     values = dict(values)
-    saved = values.pop(state_file._SIGNATURE)
-    mismatch = state_file._mismatch(json.loads(str(saved)), signature)
+    values, saved = state_file.reordered(
+        values, json.loads(str(values.pop(state_file._SIGNATURE))), signature)
+    mismatch = state_file._mismatch(saved, signature)
     if mismatch and state_file._open_window(values):
         raise ValueError(
             f"The accumulation state in {filepath} was saved for another {mismatch}, "

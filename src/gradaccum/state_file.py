@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 import warnings
 import zipfile
@@ -271,8 +272,8 @@ def load(filepath, signature: dict, skip_mismatch: bool = False) -> dict | None:
         # Messages name the files as the caller does (no link between).
         filepath, path = given, saving.sidecar(given)
     entry = _entry_for(filepath, path, digest(filepath))
-    saved = entry.pop(_SIGNATURE)
-    mismatch = _mismatch(json.loads(str(saved)), signature)
+    entry, saved = reordered(entry, json.loads(str(entry.pop(_SIGNATURE))), signature)
+    mismatch = _mismatch(saved, signature)
     if mismatch and not _open_window(entry):
         # Nothing open to lose: the counters (a schedule's position, the skips,
         # the epoch's position) go on; the empty window's sums find their
@@ -350,6 +351,34 @@ def _entry_for(filepath: str, path: str, weights_digest: str) -> dict:
         "the state file saved with these weights; or delete it to load the weights "
         "with an empty window (the open window's micro-batches are lost)."
     )
+
+
+def reordered(values: dict, saved: dict, current: dict) -> tuple[dict, dict]:
+    """A saved state's `values` and signature `saved` for the model whose signature
+    is `current`: where its trainable variables are the saved ones (same paths and
+    shapes) in another order (a float8 layer loaded from a `.keras` file builds its
+    scales before its kernel), the per-variable entries (each variable's sum, the
+    `received` counts) move to the variables' new places. Else as they are."""
+    paths, now = saved.get("paths"), current.get("paths")
+    if not paths or not now or paths == now or len(set(paths)) != len(paths):
+        return values, saved
+    shapes = {path: list(shape) for path, shape in zip(paths, saved.get("model") or [])}
+    if sorted(paths) != sorted(now) or any(
+            shapes.get(path) != list(shape)
+            for path, shape in zip(now, current.get("model") or [])):
+        return values, saved
+    place = {index: now.index(path) for index, path in enumerate(paths)}
+    order = [paths.index(path) for path in now]
+    moved = {}
+    for key, value in values.items():
+        match = re.fullmatch(r"(.*accumulator_)(\d+)", key)
+        if match and int(match.group(2)) in place:
+            moved[match.group(1) + str(place[int(match.group(2))])] = value
+        elif key.endswith("received") and np.ndim(value) == 1 and len(value) == len(paths):
+            moved[key] = np.asarray(value)[order]
+        else:
+            moved[key] = value
+    return moved, dict(saved, model=current.get("model"), paths=now)
 
 
 def _mismatch(saved: dict, current: dict) -> str | None:

@@ -38,7 +38,7 @@ from typing import NamedTuple
 import keras
 import numpy as np
 
-from gradaccum.core import screening
+from gradaccum.core import overwrite, screening
 from gradaccum.core.combine import combine
 from gradaccum.core.state import ERRORS, RESET
 from gradaccum.core.window import SCHEDULE_RULE
@@ -101,6 +101,11 @@ class Record:
         """Zeroes the window's sums."""
         raise NotImplementedError
 
+    def set_sums(self, values) -> None:
+        """Sets the sums whose entry in `values` is not None (the window's kept
+        values of `overwrite_with_gradient` variables)."""
+        raise NotImplementedError
+
     def window_weight(self):
         """The open window's total weight, the global window's under several
         replicas (a budget decides alike everywhere)."""
@@ -159,6 +164,9 @@ class Record:
     #: Whether the loss scale reacts per micro-batch (False under several replicas:
     #: once per window, at the update).
     reacts_now = True
+    #: Whether each variable is `overwrite_with_gradient` (`gradaccum.core.overwrite`),
+    #: in the sums' order; empty where none is.
+    overwrites = ()
 
 
 class Policy:
@@ -216,6 +224,17 @@ def open_window(policy: Policy, record) -> None:
     if not rule.scheduled:
         return
     opening = window_length(record) == 0
+    length = _scheduled_length(rule, record, opening)
+    if callable(rule.steps):
+        record.fail(opening & (length < 1), "schedule", at=record.get("updates"),
+                    value=length)
+        length = ops.maximum(length, 1)
+    record.set("window_steps", length)
+
+
+def _scheduled_length(rule, record, opening):
+    """The open window's length under a schedule: read at the update it will make
+    where the window is `opening`, else the one it opened with."""
 
     def read():
         return ops.cast(rule.length(record.get("updates")), "int32")
@@ -223,12 +242,41 @@ def open_window(policy: Policy, record) -> None:
     def kept():
         return ops.cast(record.get("window_steps"), "int32")
 
-    length = record.cond(opening, read, kept)
-    if callable(rule.steps):
-        record.fail(opening & (length < 1), "schedule", at=record.get("updates"),
-                    value=length)
-        length = ops.maximum(length, 1)
-    record.set("window_steps", length)
+    return record.cond(opening, read, kept)
+
+
+def loss_unit(policy: Policy, record, weight, replicas: int = 1, length=None):
+    """What a step divides its weighted loss `w_i * L_i` by where the window updates
+    `overwrite_with_gradient` variables (Keras's float8 layers), under reduction
+    "mean": the window's expected total weight `E` (its length in micro-batches times
+    `w_i`, times the replicas; a weight budget's budget). The gradient flowing back
+    through the model is then the large batch's, as float8 measures and quantizes
+    it (its output-gradient amax and scale), and the gradients, times `E`
+    (`micro_batch`'s `unit`), are the weighted ones the sums take. None elsewhere:
+    nothing changes for a model without such variables.
+
+    Args:
+        weight: the micro-batch's `w_i`.
+        replicas: the replicas whose micro-batches make the window together.
+        length: the window's length in micro-batches of this one's size where the
+            caller knows it (split mode: the batch's samples over the micro-batch's).
+    """
+    if not any(record.overwrites) or not policy.mean:
+        return None
+    rule = policy.rule
+    weight = ops.cast(weight, "float32")
+    if length is not None:
+        return weight * ops.cast(length, "float32") * float(replicas)
+    if rule.weight_per_update is not None:
+        return ops.cast(rule.weight_per_update, "float32") * ops.ones_like(weight)
+    if rule.constant is not None:
+        length = float(rule.constant)
+    elif rule.scheduled:
+        length = ops.cast(_scheduled_length(rule, record, window_length(record) == 0),
+                          "float32")
+    else:
+        length = 1.0
+    return weight * length * float(replicas)
 
 
 def weigh(policy: Policy, x, y, sample_weight, normalizers, record, *, warn=True):
@@ -262,8 +310,10 @@ def screen(policy: Policy, record, gradients, loss_scaled: bool = False):
     """Whether the micro-batch is accumulated (a boolean tensor): its gradients are
     finite (`"skip"`, `"raise"`, and always under loss scaling), or the user's
     `nonfinite` callable keeps it; every micro-batch under `"apply"`. A non-finite
-    gradient under `"raise"` (without loss scaling) is an error."""
+    gradient under `"raise"` (without loss scaling) is an error. An
+    `overwrite_with_gradient` variable's value is not a gradient: never screened."""
     nonfinite = policy.nonfinite
+    gradients = overwrite.ordinary(gradients, record.overwrites)
     if loss_scaled:
         # An overflow is expected now and then: always skipped, never raised.
         accept = record.all_finite(gradients)
@@ -327,9 +377,18 @@ def admit(policy: Policy, record, gradients, weight, accept, factor=None,
     """Adds an accepted micro-batch to the window: its gradients times `factor`
     (None: as they are, weighted already) to the sums, its weight to the total; a
     skipped one counts towards the window's length only. `direct`: the window is
-    this one micro-batch, whose gradients go to the update as they are (no sums)."""
+    this one micro-batch, whose gradients go to the update as they are (no sums).
+    An `overwrite_with_gradient` variable's value is kept as the window's elementwise
+    maximum instead, never weighted nor summed."""
     if not direct:
-        record.add_sums(gradients, factor, accept)
+        overwrites = record.overwrites
+        record.add_sums(overwrite.ordinary(gradients, overwrites), factor, accept)
+        if any(overwrites):
+            kept = record.sums()
+            first = record.get("micro_step") == 0
+            new = overwrite.maxima(kept, overwrite.values(gradients, overwrites), first)
+            record.set_sums([_where(accept, value, old) if flag else None
+                             for value, old, flag in zip(new, kept, overwrites)])
     taken = ops.cast(accept, "int32")
     record.add("micro_batches", 1)
     record.add("micro_step", taken)
@@ -432,10 +491,19 @@ def decide(policy: Policy, is_due, end=None, ok=None):
 def combined(policy: Policy, record, sums=None, total_weight=None) -> list:
     """G from the window's sums (the record's unless given: the global window's
     under several replicas) with the privacy noise of its update, one tensor per
-    variable in its dtype."""
-    sums = record.noised(record.sums() if sums is None else sums)
+    variable in its dtype. An `overwrite_with_gradient` variable's entry is the
+    window's kept value as it is."""
+    sums = record.sums() if sums is None else sums
+    overwrites = record.overwrites
+    ordinary = record.noised(overwrite.ordinary(sums, overwrites))
     weight = record.get("total_weight") if total_weight is None else total_weight
-    return combine(sums, weight, policy.reduction, record.dtypes())
+    dtypes = record.dtypes()
+    gradients = combine([ops.zeros((), "float32") if g is None else g for g in ordinary],
+                        weight, policy.reduction, dtypes)
+    if not any(overwrites):
+        return gradients
+    return [ops.cast(value, dtype) if flag else g
+            for g, value, flag, dtype in zip(gradients, sums, overwrites, dtypes)]
 
 
 def close(policy: Policy, record, apply, close, gradients=None, fit=None):
@@ -498,7 +566,7 @@ class Outcome(NamedTuple):
 
 def micro_batch(policy: Policy, record, gradients, weight, *, weighted=False,
                 loss_scale=None, grows=True, end=None, fit=None, direct=False,
-                closes=True):
+                closes=True, unit=None):
     """One micro-batch's gradients through the window: open, screen, admit, and
     (where `closes`) decide and close. Returns whether it was accepted.
 
@@ -515,14 +583,20 @@ def micro_batch(policy: Policy, record, gradients, weight, *, weighted=False,
         fit: the fit record (`largest_window`), or None.
         direct: a window of one micro-batch: applied from `gradients` as they are.
         closes: whether this call may close the window (False: `accumulate` only).
+        unit: where the step differentiated `w_i * L_i / unit` (`loss_unit`): the
+            gradients are taken times `unit` (and unscaled, under loss scaling).
     """
     open_window(policy, record)
     accept = screen(policy, record, gradients, loss_scaled=loss_scale is not None)
     factor = None
     if loss_scale is not None:
         factor = react(record, accept, loss_scale, grows)
-        if policy.mean and not weighted:
+        if unit is not None:
+            factor = factor * ops.cast(unit, "float32")
+        elif policy.mean and not weighted:
             factor = factor * ops.cast(weight, "float32")
+    elif unit is not None:
+        factor = unit
     elif policy.mean and not (weighted or direct):
         factor = weight
     ok = record.healthy() if policy.raises else None

@@ -25,6 +25,7 @@ from gradaccum._validation import (
 from gradaccum.backends.jax.own_step import Applier
 from gradaccum.backends.jax.record import Carry, LossScaling, WindowRecord
 from gradaccum.backends.jax.state import Packed
+from gradaccum.core import overwrite
 from gradaccum.core import transitions as tr
 from gradaccum.core.combine import REDUCTIONS
 from gradaccum.core.state import ERROR_FIELDS, FIT, WINDOW, accumulator_name
@@ -306,3 +307,4 @@ class _Owner(LossScaling):
     def __init__(self, accumulator: GradientAccumulator, optimizer):
         super().__init__(optimizer)
         self.variable_dtypes = [v.dtype for v in accumulator.target_variables]
+        self.overwrites = overwrite.flags(accumulator.target_variables)

@@ -124,6 +124,8 @@ class WindowRecord(FitRecord):
         self.applier = applier
         self.prefix = prefix
         self.slots = applier.variable_slots
+        flags = getattr(step, "overwrites", ())
+        self.overwrites = tuple(flags[i] for i in self.slots) if any(flags) else ()
         # `fit` raises a recorded error after the call, and nothing trains until
         # then; a custom loop's step goes on (`GradientAccumulator.check`).
         self.gates_errors = getattr(step, "gates_errors", True)
@@ -202,6 +204,13 @@ class WindowRecord(FitRecord):
                 carry.ours[name] = jnp.where(close, jnp.zeros_like(carry.ours[name]),
                                              carry.ours[name])
         return apply
+
+    def set_sums(self, values) -> None:
+        ours = self.carry.ours
+        for i, value in zip(self.slots, values):
+            if value is not None:
+                name = accumulator_name(i)
+                ours[name] = jnp.asarray(value).astype(ours[name].dtype)
 
     def empty_sums(self) -> None:
         for i in self.slots:

@@ -38,6 +38,7 @@ from gradaccum.backends.jax.record import (
     kept_unless,
 )
 from gradaccum.backends.jax.state import AccumulationState, window_prefix
+from gradaccum.core import overwrite
 from gradaccum.core import transitions as tr
 from gradaccum.core.moving_statistics import Follower
 from gradaccum.core.state import ERROR_FIELDS, accumulator_name
@@ -87,6 +88,7 @@ class TrainStep:
         self.appliers = {0: Applier.whole(optimizer, len(model.trainable_variables))}
         self.appliers_known = own_step is None
         self.variable_dtypes = [v.dtype for v in model.trainable_variables]
+        self.overwrites = overwrite.flags(model.trainable_variables)
         # A LossScaleOptimizer: where its step counter, scale and inner optimizer's
         # variables sit among its variables.
         scaling = LossScaling(optimizer)
@@ -154,7 +156,7 @@ class TrainStep:
         fit.add("epoch_step", 1)
         record = self.record(carry)
         entry_metrics = list(carry.metrics)
-        loss, y_pred, weight, gradients, normalizers, weighted = self.gradients(
+        loss, y_pred, weight, gradients, normalizers, weighted, unit = self.gradients(
             carry, record, x, y, sample_weight
         )
         tr.track_terms(fit, record, normalizers)
@@ -163,7 +165,7 @@ class TrainStep:
         accepted = tr.micro_batch(
             self.policy, record, gradients, weight, weighted=weighted,
             loss_scale=self.growth_steps if self.loss_scaled else None,
-            end=tr.end_of_data(fit), fit=fit, direct=self.direct,
+            end=tr.end_of_data(fit), fit=fit, direct=self.direct, unit=unit,
         )
         carry.non_trainable = kept_unless(accepted, carry.non_trainable, before)
         self.follow(carry, before, self.forward_state, record.outcome)
@@ -179,13 +181,14 @@ class TrainStep:
                                              self.model.get_metrics_result)
         return logs
 
-    def gradients(self, carry: Carry, record, x, y, sample_weight):
+    def gradients(self, carry: Carry, record, x, y, sample_weight, length=None):
         """One micro-batch's loss and gradients through the model's own loss
         computation. Returns the unscaled loss, the predictions, the micro-batch's
         weight, the gradients, the normalizers the compiled loss recorded and
         whether the gradients carry the weight (the loss was weighted); leaves the
         forward pass's non-trainable and metric variables in `forward_state` and
-        `forward_metrics`."""
+        `forward_metrics`. `length`: the window's length in micro-batches of this
+        one's size, where the caller knows it (split mode)."""
         model = self.model
         policy = self.policy
         if self.options.privacy is not None:
@@ -212,15 +215,20 @@ class TrainStep:
                 weight = tr.weigh(policy, x, y, sample_weight, normalizers, record,
                                   warn=self._warn_once())
             weight = jax.lax.stop_gradient(weight)
-            value = loss * weight.astype(loss.dtype) if weighted else loss
-            return value, (aux, weight, normalizers)
+            unit = (None if self.direct
+                    else tr.loss_unit(policy, record, weight, length=length))
+            if unit is not None:
+                value = loss * (weight / unit).astype(loss.dtype)
+            else:
+                value = loss * weight.astype(loss.dtype) if weighted else loss
+            return value, (aux, weight, normalizers, unit)
 
         with self.follower.observing():
-            (_, (aux, weight, normalizers)), gradients = jax.value_and_grad(
+            (_, (aux, weight, normalizers, unit)), gradients = jax.value_and_grad(
                 objective, has_aux=True
             )(carry.trainable, carry.non_trainable, carry.metrics)
         unscaled_loss, y_pred, self.forward_state, self.forward_metrics = aux
-        return unscaled_loss, y_pred, weight, gradients, normalizers, weighted
+        return unscaled_loss, y_pred, weight, gradients, normalizers, weighted, unit
 
     def _warn_once(self) -> bool:
         """Whether to warn that exact weighting found no compiled loss (once per
@@ -243,7 +251,7 @@ class TrainStep:
             carry.trainable, self.forward_state, carry.metrics, x=x, y=y, y_pred=y_pred,
             sample_weight=sample_weight, training=True,
         )
-        return loss, y_pred, weight, gradients, None, True
+        return loss, y_pred, weight, gradients, None, True, None
 
     def split_batch(self, carry: Carry, data, size):
         """Split mode: the batch is the window, cut into micro-batches of `size`
@@ -275,14 +283,15 @@ class TrainStep:
                           ours)
             record = self.record(inner)
             x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(micro)
-            loss, y_pred, weight, gradients, normalizers, weighted_gradients = (
-                self.gradients(inner, record, x, y, sample_weight)
+            loss, y_pred, weight, gradients, normalizers, weighted_gradients, unit = (
+                self.gradients(inner, record, x, y, sample_weight,
+                               length=batch / batch_size(micro))
             )
             tr.track_terms(FitRecord(inner), record, normalizers)
             inner.non_trainable = list(self.forward_state)
             accepted = tr.micro_batch(
                 self.policy, record, gradients, weight, weighted=weighted_gradients,
-                loss_scale=loss_scale, grows=False, closes=False,
+                loss_scale=loss_scale, grows=False, closes=False, unit=unit,
             )
             inner.non_trainable = kept_unless(accepted, inner.non_trainable, non_trainable)
             self.follow(inner, non_trainable, self.forward_state,

@@ -370,7 +370,8 @@ class GradientAccumulator(tf.Module):
                          loss_scale_optimizer=loss_scale_optimizer)
 
     def _run(self, gradients, weight, *, weighted, loss_scale_optimizer=None,
-             optimizer=None, policy=None, end=None, fit=None, direct=False, record=None):
+             optimizer=None, policy=None, end=None, fit=None, direct=False, record=None,
+             unit=None):
         """One micro-batch through the state machine (`core.transitions.micro_batch`):
         accumulated, and where `optimizer` is given, the window closed when it is
         due (or, with `end`, as `policy.partial` says at the end of the data).
@@ -386,6 +387,7 @@ class GradientAccumulator(tf.Module):
             fit: the fit record (its largest window).
             direct: a window of one micro-batch, applied from its gradients.
             record: the window record to use (one the step made already).
+            unit: the step differentiated `w_i * L_i / unit` (`transitions.loss_unit`).
 
         Returns:
             Whether the micro-batch was accepted (a boolean tensor).
@@ -407,7 +409,7 @@ class GradientAccumulator(tf.Module):
         accepted = tr.micro_batch(
             policy or self._policy.value, record, gradients, weight, weighted=weighted,
             loss_scale=growth_steps, end=end, fit=fit, direct=direct,
-            closes=optimizer is not None,
+            closes=optimizer is not None, unit=unit,
         )
         self._warn_if_skipped(accepted)
         return accepted

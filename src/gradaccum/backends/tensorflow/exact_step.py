@@ -42,11 +42,14 @@ def exact_step(accumulation, data):
     return _logs.tracked(accumulation, update, lambda: accepted)
 
 
-def micro_batch(accumulation, x, y, sample_weight, single=False, end=None, closes=True):
+def micro_batch(accumulation, x, y, sample_weight, single=False, end=None, closes=True,
+                length=None):
     """Forward, the host's loss and backward of one micro-batch, through the window
     (closed when due, or at the end of the data `end`, where `closes`; applied at
-    once when `single`). Returns the predictions, the loss (as the loss tracker
-    takes it), the micro-batch's weight and whether it was accepted."""
+    once when `single`). `length`: the window's length in micro-batches of this
+    one's size, where the caller knows it (split mode). Returns the predictions,
+    the loss (as the loss tracker takes it), the micro-batch's weight and whether
+    it was accepted."""
     host = accumulation.host
     acc = accumulation.state.accumulator
     optimizer = host.optimizer if closes else None
@@ -80,7 +83,14 @@ def micro_batch(accumulation, x, y, sample_weight, single=False, end=None, close
         # The replica's own loss (Keras's divided by the replica count).
         replica_loss = kc.unscale_loss_for_distribution(loss)
         objective = replica_loss if mean else loss
-        if weigh_loss:
+        # With float8 layers, the loss the large batch differentiates (the
+        # gradient float8 measures and quantizes is the large batch's).
+        unit = None if single else tr.loss_unit(
+            policy, record, weight, length=length,
+            replicas=tf.distribute.get_strategy().num_replicas_in_sync)
+        if unit is not None:
+            objective = objective * tf.cast(weight / unit, loss.dtype)
+        elif weigh_loss:
             objective = objective * tf.cast(weight, loss.dtype)
         # Loss scaling (a LossScaleOptimizer's dynamic scale, or an optimizer's
         # static `loss_scale_factor`), as Keras's own train step does.
@@ -90,7 +100,7 @@ def micro_batch(accumulation, x, y, sample_weight, single=False, end=None, close
         gradients, weight, weighted=weigh_loss or not mean,
         loss_scale_optimizer=host.optimizer if loss_scaled else None,
         optimizer=optimizer, policy=policy, end=end, fit=accumulation.fit_record(),
-        direct=single, record=record,
+        direct=single, record=record, unit=unit,
     )
     following.end(accumulation, start, record.outcome)
     return y_pred, replica_loss, weight, record.outcome.accepted

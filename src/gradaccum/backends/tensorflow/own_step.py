@@ -270,6 +270,10 @@ class OwnStep:
         state = accumulation.state
         layers = accumulation.layers if not state.own else None
         name = f"gradaccum_own_{len(state.own)}"
+        if not state.own:
+            # The model's first step built it: what `check_trainable` checks of
+            # float8's variables, once.
+            accumulation.check_overwrites()
         # Made (and given any restored values) outside the step being traced, once.
         with tf.init_scope():
             acc = accumulation.options.accumulator(variables, layers=layers, name=name)

@@ -28,6 +28,7 @@ from gradaccum.backends.tensorflow import combine as _combine
 from gradaccum.backends.tensorflow import keras_compat as kc
 from gradaccum.backends.tensorflow import screening
 from gradaccum.backends.tensorflow.branching import rare_cond
+from gradaccum.core import overwrite
 from gradaccum.core import transitions as tr
 from gradaccum.core.state import RESET
 
@@ -101,6 +102,8 @@ class VariableRecord(ModuleRecord):
         self.accumulator = accumulator
         self.optimizer = optimizer
         self.direct = direct
+        flags = overwrite.flags(accumulator.target_variables)
+        self.overwrites = flags if any(flags) else ()
 
     # Primitives ---------------------------------------------------------------------
 
@@ -154,6 +157,12 @@ class VariableRecord(ModuleRecord):
             # Most micro-batches close nothing: their branch is empty, and the
             # update's is not walked (`rare_cond`).
             return rare_cond(tf.cast(close, tf.bool), closing, lambda: tf.constant(False))
+
+    def set_sums(self, values) -> None:
+        with self._after_checks():
+            for variable, value in zip(self.state.accumulators, values):
+                if value is not None:
+                    variable.assign(tf.cast(value, variable.dtype))
 
     def empty_sums(self) -> None:
         """The window's sums (and its batch normalization windows) emptied."""

@@ -78,13 +78,25 @@ class ReplicaRecord(VariableRecord):
         dtype = state.total_weight.dtype
         window = [tf.cast(tf.reshape(state.window_skipped, [1]), dtype)]
         layers = self.accumulator.batch_normalization_layers
+        context = tf.distribute.get_replica_context()
+        replica, replicas = context.replica_id_in_sync_group, context.num_replicas_in_sync
         if layers:
-            context = tf.distribute.get_replica_context()
-            replica, replicas = context.replica_id_in_sync_group, context.num_replicas_in_sync
             window.append(tf.concat(
                 [layer._replica_slots(replica, replicas, dtype) for layer in layers], axis=0
             ))
+        kept = self._kept_values()
+        if kept:
+            # The window's `overwrite_with_gradient` values in this replica's row of a
+            # zero block: summed, the reduction gathers every replica's, whose
+            # elementwise maximum the update takes.
+            row = tf.concat([tf.reshape(tf.cast(v, dtype), [-1]) for v in kept], axis=0)
+            slot = tf.one_hot(replica, replicas, dtype=dtype)
+            window.append(tf.reshape(slot[:, None] * row[None, :], [-1]))
         return window
+
+    def _kept_values(self) -> list:
+        """The accumulators that keep `overwrite_with_gradient` values."""
+        return [acc for acc, flag in zip(self.state.accumulators, self.overwrites) if flag]
 
     def _close(self, strategy, apply, close, window, update, finish, empty_sums):
         """In cross-replica context: the window closes when `close` (alike on every
@@ -118,14 +130,17 @@ class ReplicaRecord(VariableRecord):
         sums, (total_weight, received, skipped) = reduced[:n], reduced[n:n + 3]
         skipped = skipped[0]
         self.pooled = None
-        if len(reduced) > n + 3:
+        extra = list(reduced[n + 3:])
+        layers, replicas = accumulator.batch_normalization_layers, strategy.num_replicas_in_sync
+        if layers:
             # Each driven batch normalization layer's replicas' windows, pooled.
-            layers, replicas = accumulator.batch_normalization_layers, strategy.num_replicas_in_sync
             sizes = [layer._replica_slots_size(replicas) for layer in layers]
             self.pooled = [
                 batch_norm.pool_replicas(gathered, replicas)
-                for gathered in tf.split(reduced[n + 3], sizes)
+                for gathered in tf.split(extra.pop(0), sizes)
             ]
+        if self._kept_values():
+            sums = self._replicas_maxima(sums, extra.pop(0), replicas)
         self.reduced = {"sums": sums, "total_weight": total_weight, "received": received}
         micro_batches = tr.window_length(self)
         # Every replica's skipped shares, in the one count every replica keeps.
@@ -157,6 +172,18 @@ class ReplicaRecord(VariableRecord):
                 settle_loss_scale(loss_scaling, skipped > 0, micro_batches)
         self.reduced = None
         return tf.identity(applied)
+
+    def _replicas_maxima(self, sums, gathered, replicas: int) -> list:
+        """`sums` with each `overwrite_with_gradient` entry the elementwise maximum
+        of the replicas' values (gathered, a row per replica), over the replicas
+        whose share of the window held an accepted micro-batch."""
+        rows = tf.reshape(gathered, [replicas, -1])
+        flags = list(self.overwrites)
+        kept = [acc for acc, flag in zip(self.state.accumulators, flags) if flag]
+        sizes = [int(acc.shape.num_elements()) for acc in kept]
+        maxima = iter(tf.split(tf.reduce_max(rows, axis=0), sizes))
+        return [tf.cast(tf.reshape(next(maxima), acc.shape), acc.dtype) if flag else total
+                for total, acc, flag in zip(sums, self.state.accumulators, flags)]
 
     def apply(self, gradients, pooled=None) -> None:
         super().apply(gradients, self.pooled if pooled is None else pooled)

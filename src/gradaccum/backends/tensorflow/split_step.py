@@ -23,9 +23,10 @@ def split_step(accumulation, data):
     size = _size_in_step(accumulation)
     if own_step is None:
         host = accumulation.host
+        batch = _split.batch_size(data)
 
         def micro_batch(micro, weighted, weights):
-            return _exact_micro_batch(accumulation, micro, weighted, weights)
+            return _exact_micro_batch(accumulation, micro, weighted, weights, batch)
 
         if accumulation.micro_batch_jit:
             # XLA compiles each micro-batch; the loop around it stays outside, so a
@@ -64,12 +65,13 @@ def split_step(accumulation, data):
     return logs
 
 
-def _exact_micro_batch(accumulation, micro, weighted, weights):
-    """One micro-batch of a split batch; adds its weighted loss and weight to the
-    batch's."""
+def _exact_micro_batch(accumulation, micro, weighted, weights, batch):
+    """One micro-batch of a split batch (of `batch` samples); adds its weighted
+    loss and weight to the batch's."""
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(micro)
+    length = tf.cast(batch, tf.float32) / tr.samples(x)
     y_pred, loss, weight, accepted = exact_step.micro_batch(
-        accumulation, x, y, sample_weight, closes=False
+        accumulation, x, y, sample_weight, closes=False, length=length
     )
     _logs.tracked(accumulation, lambda: accumulation.host.compute_metrics(
         x, y, y_pred, sample_weight=sample_weight), lambda: accepted)

@@ -71,6 +71,25 @@ class Reducer:
             offset += size
         return out, reduced
 
+    def maxima(self, sums, local, overwrites):
+        """`sums` with each `overwrite_with_gradient` entry (`overwrites`) the
+        elementwise maximum of the processes' `local` values instead of their sum
+        (one all-reduce of those values)."""
+        import torch.distributed as dist
+
+        kept = [total for total, flag in zip(local, overwrites) if flag]
+        flat = torch.cat([t.detach().reshape(-1).float() for t in kept])
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self.group)
+        self.all_reduces += 1
+        out, offset = [], 0
+        for total, flag in zip(sums, overwrites):
+            if flag:
+                size = total.numel()
+                total = flat[offset:offset + size].reshape(total.shape).to(total.dtype)
+                offset += size
+            out.append(total)
+        return out
+
     def scalar(self, value):
         """A scalar summed over the processes (a weight budget's window weight)."""
         import torch.distributed as dist

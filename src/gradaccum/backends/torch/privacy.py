@@ -29,7 +29,7 @@ def clipped_micro_batch(step, x, y, sample_weight):
     to `privacy.l2_norm_clip` (the `TrainStep.gradients` of a private fit).
 
     Returns:
-        `(loss, y_pred, weight, gradients, normalizers, weighted)`: the micro-batch's
+        `(loss, y_pred, weight, gradients, normalizers, weighted, unit)`: the micro-batch's
         loss as Keras computes it, its predictions, its number of examples, the sum
         of the clipped per-example gradients plus that number times the weight
         regularizers' gradient, no normalizers, and True (the gradients carry the
@@ -68,7 +68,7 @@ def clipped_micro_batch(step, x, y, sample_weight):
     with torch.no_grad():
         y_pred = model(x, **kwargs)
         loss = kc.compute_loss(model, x, y, y_pred, sample_weight)
-    return (loss, y_pred, torch.tensor(float(examples)), clipped, None, True)
+    return (loss, y_pred, torch.tensor(float(examples)), clipped, None, True, None)
 
 
 def _regularization_gradients(model, trainable, non_trainable):

@@ -20,6 +20,7 @@ import torch
 
 from gradaccum import _keras_common as kc
 from gradaccum.backends.torch.state import window_prefix
+from gradaccum.core import overwrite
 from gradaccum.core import transitions as tr
 from gradaccum.core.state import accumulator_name
 
@@ -158,6 +159,8 @@ class WindowRecord(FieldRecord):
                         else optimizer if kc.is_loss_scale_optimizer(optimizer) else None)
         self.targets = list(variables)
         self.slots = list(slots)
+        flags = overwrite.flags(self.targets)
+        self.overwrites = flags if any(flags) else ()
         self.noise = noise
         self.reduce = reduce
         self.outcome = None
@@ -194,6 +197,12 @@ class WindowRecord(FieldRecord):
                     total.add_(gradient)
                 else:
                     total.add_(gradient, alpha=float(tensor(factor)))
+
+    def set_sums(self, values) -> None:
+        with torch.no_grad():
+            for total, value in zip(self._sums(), values):
+                if value is not None:
+                    total.copy_(tensor(value).detach().to(total.dtype))
 
     def empty_sums(self) -> None:
         with torch.no_grad():
@@ -237,6 +246,8 @@ class WindowRecord(FieldRecord):
             sums, fields = self.reduce.window(
                 self._sums(), {name: super(WindowRecord, self).get(name)
                                for name in ("total_weight", "received")})
+            if any(self.overwrites):
+                sums = self.reduce.maxima(sums, self._sums(), self.overwrites)
             self._global = (sums, fields)
         try:
             applied = truth(apply) and truth(self.holds())

@@ -55,6 +55,7 @@ apply_now = eager(tr.apply_now)
 drop = eager(tr.drop)
 track_terms = eager(tr.track_terms)
 weigh = eager(tr.weigh)
+loss_unit = eager(tr.loss_unit)
 
 
 class ForwardState:
@@ -201,14 +202,14 @@ class TrainStep:
         entry_metrics = snapshot(model.metrics_variables) if tracks else None
         entry_state = self.forward_state.take() if tracks else None
         start = self.moving_start()
-        loss, y_pred, weight, gradients, normalizers, weighted = self.gradients(
+        loss, y_pred, weight, gradients, normalizers, weighted, unit = self.gradients(
             record, x, y, sample_weight)
         track_terms(fit, record, normalizers)
         with torch.no_grad():
             accepted = micro_batch_transitions(
                 self.policy, record, gradients, weight, weighted=weighted,
                 loss_scale=self.growth_steps, end=tr.end_of_data(fit), fit=fit,
-                direct=self.direct,
+                direct=self.direct, unit=unit,
             )
         accepted = truth(accepted)
         if not accepted and entry_state is not None:
@@ -224,7 +225,7 @@ class TrainStep:
         return model.compute_metrics(x, y, y_pred, sample_weight)
 
     @eager(recursive=False)
-    def gradients(self, record, x, y, sample_weight):
+    def gradients(self, record, x, y, sample_weight, length=None):
         """One micro-batch's loss and gradients through the model's own loss
         computation (`loss.backward()` into the parameters' `.grad`). Returns the
         unscaled loss, the predictions, the micro-batch's weight, the gradients, the
@@ -257,14 +258,21 @@ class TrainStep:
         # Under loss scaling the weight comes with the unscaling instead, so the
         # scaled loss is the one Keras scales (no extra overflows).
         weighted = policy.mean and not self.loss_scaled and not self.direct
-        objective = loss * weight.to(loss.dtype) if weighted else loss
+        # With float8 layers, the loss the large batch differentiates (the gradient
+        # float8 measures and quantizes is the large batch's).
+        unit = None if self.direct else loss_unit(policy, record, weight, length=length)
+        if unit is not None:
+            unit = tensor(unit).detach().float()
+            objective = loss * (weight / unit).to(loss.dtype)
+        else:
+            objective = loss * weight.to(loss.dtype) if weighted else loss
         # Loss scaling (a LossScaleOptimizer's dynamic scale, or an optimizer's
         # static `loss_scale_factor`, which `apply` divides back out), as Keras's own
         # train step does.
         objective = model.optimizer.scale_loss(objective)
         objective.backward()
         gradients = [v.value.grad for v in self.variables]
-        return loss, y_pred, weight, gradients, normalizers, weighted
+        return loss, y_pred, weight, gradients, normalizers, weighted, unit
 
     def _warn_once(self) -> bool:
         if self.warned_no_compiled_loss:
@@ -349,13 +357,14 @@ class TrainStep:
             entry_metrics = snapshot(model.metrics_variables) if tracks else None
             entry_state = self.forward_state.take() if tracks else None
             moving = self.moving_start()
-            loss, y_pred, weight, gradients, normalizers, weighted = self.gradients(
-                record, x, y, sample_weight)
+            loss, y_pred, weight, gradients, normalizers, weighted, unit = self.gradients(
+                record, x, y, sample_weight, length=batch / len(next(
+                    t for t in keras.tree.flatten(x) if t is not None)))
             track_terms(fit, record, normalizers)
             with torch.no_grad():
                 accepted = truth(micro_batch_transitions(
                     self.policy, record, gradients, weight, weighted=weighted,
-                    loss_scale=self.growth_steps, grows=False, closes=False))
+                    loss_scale=self.growth_steps, grows=False, closes=False, unit=unit))
             if not accepted and entry_state is not None:
                 self.forward_state.put_back(entry_state)
             self.follow(moving, tr.Outcome(accepted, False, False))

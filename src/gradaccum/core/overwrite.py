@@ -1,0 +1,164 @@
+"""Variables whose "gradient" is their new value (`overwrite_with_gradient`).
+
+Keras marks a variable `overwrite_with_gradient` when the training step computes its
+next value rather than a direction to descend: the scales and amax histories of
+Keras's float8 layers (`model.quantize("float8")`), or a variable a user marks so.
+Keras's optimizer assigns such a "gradient" to its variable, before it updates the
+others, and leaves it out of everything else (loss scaling, clipping, decay).
+
+Through a window such a value is never weighted, summed, noised or screened as a
+gradient. The window keeps the elementwise maximum of its accepted micro-batches'
+values (for float8: the amax of the whole window's tensors, what one step on the
+window as one batch computes, since every micro-batch of a window sees the same scale
+and history) in the variable's sum, and the window's update hands that maximum to
+the optimizer, once, when the window closes. A skipped micro-batch leaves it; a
+dropped window leaves the variable as it leaves the others.
+
+    >>> import keras
+    >>> scale = keras.Variable(1.0, trainable=True)
+    >>> scale.overwrite_with_gradient = True
+    >>> flags((scale, keras.Variable(0.0)))
+    (True, False)
+    >>> [float(v) for v in maxima([2.0], [1.0], first=False)]
+    [2.0]
+"""
+
+from __future__ import annotations
+
+import keras
+
+ops = keras.ops
+
+
+def flags(variables) -> tuple:
+    """Whether each variable is overwritten with its gradient, in order."""
+    return tuple(bool(getattr(v, "overwrite_with_gradient", False)) for v in variables)
+
+
+def any_of(variables) -> bool:
+    """Whether a variable among `variables` is overwritten with its gradient."""
+    return any(flags(variables))
+
+
+def ordinary(gradients, overwrites) -> list:
+    """The gradients that are gradients: `None` where the variable is overwritten
+    (what the screen and the sums see)."""
+    if not any(overwrites):
+        return list(gradients)
+    return [None if flag else g for g, flag in zip(gradients, overwrites, strict=False)]
+
+
+def values(gradients, overwrites) -> list:
+    """The overwrite values: the gradient where the variable is overwritten, else
+    `None`."""
+    return [g if flag else None for g, flag in zip(gradients, overwrites, strict=False)]
+
+
+def maxima(kept, new, first) -> list:
+    """A window's overwrite values after one more accepted micro-batch: its `new`
+    value where the window held none (`first`), else the elementwise maximum with the
+    `kept` one (Keras's own accumulation keeps the maximum, against a zero start).
+    Entries where `new` is None stay `kept`."""
+    result = []
+    for old, value in zip(kept, new, strict=True):
+        if value is None:
+            result.append(old)
+            continue
+        value = ops.cast(value, ops.convert_to_tensor(old).dtype)
+        result.append(ops.where(first, value, ops.maximum(old, value)))
+    return result
+
+
+def names(variables) -> list:
+    """The paths (names) of the overwritten variables among `variables`."""
+    return [getattr(v, "path", None) or v.name for v, flag in zip(variables, flags(variables))
+            if flag]
+
+
+# What gradaccum knows of a variable's rule -------------------------------------------------
+
+#: The `overwrite_with_gradient` variables of a Keras layer in float8 mode, whose
+#: values the window's maximum gives exactly.
+FLOAT8 = ("inputs_scale", "inputs_amax_history", "kernel_scale", "kernel_amax_history",
+          "outputs_grad_scale", "outputs_grad_amax_history")
+#: Those of them that measure the gradient flowing back (their values are in the
+#: units of the loss the step differentiates).
+GRADIENT_MEASURED = ("outputs_grad_scale", "outputs_grad_amax_history")
+
+
+def float8_roles(model) -> dict:
+    """`id(variable) -> role` for the float8 variables of `model`'s layers in float8
+    mode (`FLOAT8`'s names)."""
+    roles = {}
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        if getattr(layer, "quantization_mode", None) != "float8":
+            continue
+        for role in FLOAT8:
+            variable = getattr(layer, role, None)
+            if variable is not None:
+                roles[id(variable)] = role
+    return roles
+
+
+def unknown_rules(model, variables) -> list:
+    """The paths of the `overwrite_with_gradient` variables among `variables` that
+    are not a float8 layer's: a user's, whose rule gradaccum takes to be Keras's
+    (the window's maximum) without knowing it."""
+    roles = float8_roles(model)
+    return [name for v, name in zip(_marked(variables), names(variables))
+            if id(v) not in roles]
+
+
+def gradient_measured(model, variables) -> list:
+    """The paths of the float8 variables among `variables` that measure the
+    gradient flowing back (`GRADIENT_MEASURED`)."""
+    roles = float8_roles(model)
+    return [name for v, name in zip(_marked(variables), names(variables))
+            if roles.get(id(v)) in GRADIENT_MEASURED]
+
+
+def _marked(variables) -> list:
+    return [v for v, flag in zip(variables, flags(variables)) if flag]
+
+
+def privacy_message(marked) -> str:
+    """`privacy` refused with `overwrite_with_gradient` variables."""
+    return (
+        "`privacy` cannot train a model with `overwrite_with_gradient` variables "
+        "(float8's scales and amax histories): their values come from the whole "
+        "micro-batch, not from one example's clipped gradient, and would leak it. "
+        f"Received: {_listed(marked)}. Train in float32 or bfloat16 with `privacy`, "
+        "or without `privacy` in float8."
+    )
+
+
+def own_step_message(measured) -> str:
+    """A model's own `train_step` with float8's output-gradient variables."""
+    return (
+        "This model's own `train_step` differentiates its own loss, so float8's "
+        f"output-gradient scales and amax histories ({_listed(measured)}) measure "
+        "and quantize each micro-batch's gradient of that loss (as Keras's "
+        "`gradient_accumulation_steps` does), not the window's as one step on the "
+        "whole window would: the window keeps their maximum, and the weights follow "
+        "a float8 training close to, but not exactly, the large batch's. For the "
+        "large batch's, let Keras's default `train_step` run (override "
+        "`compute_loss` instead)."
+    )
+
+
+def unknown_rule_message(unknown) -> str:
+    """`overwrite_with_gradient` variables gradaccum does not know the rule of."""
+    return (
+        f"gradaccum keeps the window's elementwise maximum of the values of "
+        f"{_listed(unknown)} (`overwrite_with_gradient` variables that are not a "
+        "float8 layer's), Keras's own accumulation rule for such variables, and "
+        "hands it to the optimizer once per window. Where a value is not a maximum "
+        "of the micro-batches' (a count, a mean), the window's is not what one step "
+        "on the whole window would give it: compute it from the window yourself."
+    )
+
+
+def _listed(paths, limit: int = 6) -> str:
+    shown = ", ".join(repr(p) for p in paths[:limit])
+    more = len(paths) - limit
+    return f"variable(s) {shown}" + (f" and {more} more" if more > 0 else "")
