@@ -22,6 +22,7 @@ from gradaccum import _keras_common as kc
 from gradaccum import added_losses
 from gradaccum._validation import check_choice, check_steps
 from gradaccum.adapter import Findings, accumulation_of
+from gradaccum.core import overwrite
 from gradaccum.core import transitions as tr
 from gradaccum.core.moving_statistics import unfollowable_reason, window_aware
 from gradaccum.core.screening import skipped_message
@@ -53,12 +54,16 @@ class AuditReport:
         causes: what in the model makes accumulation differ from the large batch,
             each naming its layer, term or option (empty when none is found).
         micro_batch_sizes: the samples of each micro-batch of the window audited.
+        rules: what the window does with variables whose "gradient" is their new
+            value (`overwrite_with_gradient`: float8's scales and amax histories),
+            one line per float8 layer or other such variable (empty when none).
     """
 
     def __init__(self, rows, causes, micro_batch_sizes, tolerance=TOLERANCE,
-                 updates_between_calls=False):
+                 updates_between_calls=False, rules=()):
         self.rows = rows
         self.causes = causes
+        self.rules = list(rules)
         self.micro_batch_sizes = micro_batch_sizes
         self.tolerance = tolerance
         self.max_difference = max((row[3] for row in rows), default=0.0)
@@ -86,6 +91,9 @@ class AuditReport:
             lines.append(f"{path:<{width}}  {difference:>10.3g}  {scale:>10.3g}  "
                          f"{relative:>10.3g}")
         lines.append("")
+        if self.rules:
+            lines.append("Rules:")
+            lines += [f"- {rule}" for rule in self.rules]
         if self.causes:
             lines.append("Causes:")
             lines += [f"- {cause}" for cause in self.causes]
@@ -183,12 +191,15 @@ def audit(model, x, y=None, *, steps, batch_size, sample_weight=None,
     saved = added_losses.Snapshot(model)
     findings = {}
     try:
-        # Windows that never close: nothing is applied.
-        options = dict(steps=len(bounds) + 1, partial="carry", weighting=weighting,
-                       reduction=reduction)
-        large = _window_gradients(model, [window], options, findings)
+        # Windows that never close: nothing is applied. The large batch is one
+        # micro-batch of a window of 2, the micro-batches `len(bounds)` of one of
+        # `2 * len(bounds)`: both halfway, so a float8 model differentiates the
+        # same loss both ways (`transitions.loss_unit`).
+        options = dict(partial="carry", weighting=weighting, reduction=reduction)
+        large = _window_gradients(model, [window], dict(options, steps=2), findings)
         saved.restore()
-        accumulated = _window_gradients(model, micro_batches, options, findings)
+        accumulated = _window_gradients(model, micro_batches,
+                                        dict(options, steps=2 * len(bounds)), findings)
         saved.restore()
         summed_layers = _added_loss_terms(model, window, micro_batches, sizes)
     finally:
@@ -225,7 +236,7 @@ def audit(model, x, y=None, *, steps, batch_size, sample_weight=None,
                or (len(findings.get("optimizers", [])) > 1
                    and not findings.get("stale_known", True)))
     return AuditReport(rows, causes, sizes, tolerance=tolerance,
-                       updates_between_calls=between)
+                       updates_between_calls=between, rules=overwrite.rules(model))
 
 
 def _scope(model):

@@ -92,6 +92,24 @@ def test_a_float8_block_trains_as_the_large_batch(mode):
     assert int(model.optimizer.iterations) == 8
 
 
+def test_a_flushed_partial_window_measures_its_own_gradient():
+    # 40 samples in micro-batches of 8 at steps=2: windows of 16, 16 and 8 per
+    # epoch. The last window's loss is its own (the epoch's length says how much
+    # is left), so its output-gradient amax is the one a batch of 8 measures.
+    x, y = block_data(40)
+    model = gradaccum.accumulate(block(), steps=2, partial="flush")
+    model.compile(keras.optimizers.Adam(1e-2), SCE)
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    reference = block()
+    reference.compile(keras.optimizers.Adam(1e-2), SCE)
+    for _ in range(2):
+        for start, end in ((0, 16), (16, 32), (32, 40)):
+            reference.train_on_batch(x[start:end], y[start:end])
+    gap = gaps(model, reference)
+    assert max(gap.values()) < 1e-5, {p: g for p, g in gap.items() if g >= 1e-5}
+    assert int(model.optimizer.iterations) == 6
+
+
 def test_float8_biases_follow_the_large_batch_to_bfloat16():
     # Keras's float8 Dense adds its bias through bfloat16, so each step's bias
     # gradient is rounded to 8 significant bits: a window's is the sum of its
@@ -378,3 +396,18 @@ def test_int8_with_lora_trains_as_the_large_batch():
     gap = gaps(model, reference)
     assert max(gap.values()) < 1e-5, gap
 
+
+
+# The audit ---------------------------------------------------------------------------------
+
+
+def test_the_audit_of_a_float8_block_is_exact_and_names_the_rule():
+    x, y = block_data(32)
+    model = block()
+    model.compile(keras.optimizers.Adam(1e-2), SCE)
+    report = gradaccum.audit(model, x, y, steps=4, batch_size=8)
+    assert report.exact, str(report)
+    assert len(report.rules) == 4 and report.rules[0].startswith("float8 layer 'q': its 6")
+    assert "Rules:\n- float8 layer 'q'" in str(report)
+    measured = [row for row in report.rows if row[0] == "q/outputs_grad_amax_history"]
+    assert measured and measured[0][2] > 0  # measured, and equal both ways

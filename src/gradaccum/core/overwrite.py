@@ -162,3 +162,28 @@ def _listed(paths, limit: int = 6) -> str:
     shown = ", ".join(repr(p) for p in paths[:limit])
     more = len(paths) - limit
     return f"variable(s) {shown}" + (f" and {more} more" if more > 0 else "")
+
+
+def rules(model) -> list:
+    """What the window does with `model`'s `overwrite_with_gradient` variables, in
+    words (the audit names it): one line per float8 layer, one per other variable."""
+    variables = model.trainable_variables
+    roles = float8_roles(model)
+    lines = []
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        if getattr(layer, "quantization_mode", None) != "float8":
+            continue
+        owned = [v for v in _marked(variables) if id(v) in roles
+                 and any(v is getattr(layer, role, None) for role in FLOAT8)]
+        if owned:
+            lines.append(
+                f"float8 layer {layer.name!r}: its {len(owned)} scales and amax histories "
+                "are not gradients: the window keeps the elementwise maximum of its "
+                "micro-batches' values (the amax of the whole window, as one step on it "
+                "measures), applied once; their rows compare those values.")
+    for name in unknown_rules(model, variables):
+        lines.append(
+            f"variable {name!r} (overwrite_with_gradient): the window keeps the "
+            "elementwise maximum of its micro-batches' values, Keras's rule, which "
+            "gradaccum cannot check is this variable's; its row compares those values.")
+    return lines

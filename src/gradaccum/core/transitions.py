@@ -245,7 +245,7 @@ def _scheduled_length(rule, record, opening):
     return record.cond(opening, read, kept)
 
 
-def loss_unit(policy: Policy, record, weight, replicas: int = 1, length=None):
+def loss_unit(policy: Policy, record, weight, replicas: int = 1, length=None, fit=None):
     """What a step divides its weighted loss `w_i * L_i` by where the window updates
     `overwrite_with_gradient` variables (Keras's float8 layers), under reduction
     "mean": the window's expected total weight `E` (its length in micro-batches times
@@ -260,6 +260,8 @@ def loss_unit(policy: Policy, record, weight, replicas: int = 1, length=None):
         replicas: the replicas whose micro-batches make the window together.
         length: the window's length in micro-batches of this one's size where the
             caller knows it (split mode: the batch's samples over the micro-batch's).
+        fit: the fit record, whose epoch length (where known) shortens the
+            expected length of the window the data ends in under `partial="flush"`.
     """
     if not any(record.overwrites) or not policy.mean:
         return None
@@ -271,6 +273,12 @@ def loss_unit(policy: Policy, record, weight, replicas: int = 1, length=None):
         return ops.cast(rule.weight_per_update, "float32") * ops.ones_like(weight)
     if rule.constant is not None:
         length = float(rule.constant)
+        if fit is not None and policy.partial == "flush" and fit.has("epoch_length"):
+            # The window the data ends in holds what is left of the epoch.
+            epoch_length = fit.get("epoch_length")
+            left = ops.cast(epoch_length - fit.get("epoch_step") + 1, "float32")
+            held = ops.cast(window_length(record), "float32")
+            length = ops.where(epoch_length > 0, ops.minimum(length, held + left), length)
     elif rule.scheduled:
         length = ops.cast(_scheduled_length(rule, record, window_length(record) == 0),
                           "float32")

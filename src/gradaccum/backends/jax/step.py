@@ -216,7 +216,8 @@ class TrainStep:
                                   warn=self._warn_once())
             weight = jax.lax.stop_gradient(weight)
             unit = (None if self.direct
-                    else tr.loss_unit(policy, record, weight, length=length))
+                    else tr.loss_unit(policy, record, weight, length=length,
+                                      fit=FitRecord(carry)))
             if unit is not None:
                 value = loss * (weight / unit).astype(loss.dtype)
             else:

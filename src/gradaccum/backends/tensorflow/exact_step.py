@@ -86,7 +86,7 @@ def micro_batch(accumulation, x, y, sample_weight, single=False, end=None, close
         # With float8 layers, the loss the large batch differentiates (the
         # gradient float8 measures and quantizes is the large batch's).
         unit = None if single else tr.loss_unit(
-            policy, record, weight, length=length,
+            policy, record, weight, length=length, fit=accumulation.fit_record(),
             replicas=tf.distribute.get_strategy().num_replicas_in_sync)
         if unit is not None:
             objective = objective * tf.cast(weight / unit, loss.dtype)

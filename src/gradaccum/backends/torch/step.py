@@ -260,7 +260,8 @@ class TrainStep:
         weighted = policy.mean and not self.loss_scaled and not self.direct
         # With float8 layers, the loss the large batch differentiates (the gradient
         # float8 measures and quantizes is the large batch's).
-        unit = None if self.direct else loss_unit(policy, record, weight, length=length)
+        unit = None if self.direct else loss_unit(policy, record, weight, length=length,
+                                                  fit=self.fit_record())
         if unit is not None:
             unit = tensor(unit).detach().float()
             objective = loss * (weight / unit).to(loss.dtype)
