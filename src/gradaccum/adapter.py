@@ -569,6 +569,9 @@ class Accumulation(abc.ABC):
         if self.inexact() and "inexact" not in self._warned:
             self._warned.add("inexact")
             tr.warn_inexact(stacklevel=4)
+        if "unequal" not in self._warned and bool(self.fit_field("unequal").numpy()):
+            self._warned.add("unequal")
+            warnings.warn(overwrite.UNEQUAL, stacklevel=4)
         skipped = self.skipped() - self.skipped_at_start
         if (self.options.nonfinite == "skip" and skipped > 0 and not self.loss_scaled()
                 and "skipped" not in self._warned):

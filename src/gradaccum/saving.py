@@ -62,7 +62,7 @@ def restore(named: dict, pending: dict) -> None:
         value = np.asarray(pending.pop(key))
         if tuple(value.shape) != tuple(variable.shape):
             # (The loss terms' ratios are a check, made again at the next window.)
-            if np.any(value) and key not in ("term_ratios", "inexact"):
+            if np.any(value) and key not in ("term_ratios", "inexact", "unequal"):
                 warnings.warn(
                     f"gradaccum discards the saved accumulation state {key!r}: its "
                     f"shape {tuple(value.shape)} is not the variable's "

@@ -81,7 +81,10 @@ def test_a_float8_block_trains_as_the_large_batch(mode):
         gradaccum.accumulate(model, micro_batch_size=8)
         batch_size = 16
     model.compile(keras.optimizers.Adam(1e-2), SCE)
-    model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
+    assert not [w for w in caught if "different weights" in str(w.message)]
     reference = plain_fit(16)
     gap = gaps(model, reference)
     assert max(gap.values()) < 1e-5, {p: g for p, g in gap.items() if g >= 1e-5}
@@ -108,6 +111,42 @@ def test_a_flushed_partial_window_measures_its_own_gradient():
     gap = gaps(model, reference)
     assert max(gap.values()) < 1e-5, {p: g for p, g in gap.items() if g >= 1e-5}
     assert int(model.optimizer.iterations) == 6
+
+
+def tokens(seed: int = 0) -> keras.Model:
+    """A masked token model in float8: `Embedding(mask_zero=True)` and two float8
+    `Dense` applied per token (the loss is averaged over the unmasked tokens)."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((6,), dtype="int32")
+    h = keras.layers.Embedding(20, 8, mask_zero=True, name="emb")(inputs)
+    h = keras.layers.Dense(16, activation="relu", use_bias=False, name="up")(h)
+    model = keras.Model(inputs, keras.layers.Dense(3, use_bias=False, name="head")(h))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.quantize("float8")
+    return model
+
+
+def test_micro_batches_of_other_weights_measure_the_windows_gradient_and_warn():
+    # A window of 2 micro-batches of 8 rows: 2 tokens per row, then 6 (weights 16
+    # and 48). Each micro-batch's output-gradient amax is taken in the window's
+    # units, so the histories are the large batch's (without, the first window's
+    # were twice it); the first micro-batch's loss was divided by the weight
+    # expected then (32, not 64), which fit warns of.
+    rng = np.random.default_rng(0)
+    x = rng.integers(1, 20, size=(16, 6)).astype("int32")
+    x[:8, 2:] = 0
+    y = rng.integers(0, 3, size=(16, 6)).astype("int32")
+    model = gradaccum.accumulate(tokens(), steps=2)
+    model.compile(keras.optimizers.SGD(0.1), SCE)
+    with pytest.warns(UserWarning, match="held micro-batches of different weights"):
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    reference = tokens()
+    reference.compile(keras.optimizers.SGD(0.1), SCE)
+    reference.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    gap = gaps(model, reference)
+    assert max(gap.values()) < 1e-5, {p: g for p, g in gap.items() if g >= 1e-5}
+    assert np.max(values(model)["head/outputs_grad_amax_history"]) > 0
 
 
 def test_float8_biases_follow_the_large_batch_to_bfloat16():

@@ -14,6 +14,12 @@ and history) in the variable's sum, and the window's update hands that maximum t
 the optimizer, once, when the window closes. A skipped micro-batch leaves it; a
 dropped window leaves the variable as it leaves the others.
 
+One entry measures the gradient itself, whose size is the loss's: the newest amax of
+a float8 layer's output-gradient history (`measured`). A micro-batch's is taken in the
+units of the window's summed loss (times the divisor of the loss its step
+differentiated), the maximum kept, and divided by the window's total weight at the
+update: the large batch's measurement, whatever the micro-batches weigh.
+
     >>> import keras
     >>> scale = keras.Variable(1.0, trainable=True)
     >>> scale.overwrite_with_gradient = True
@@ -52,6 +58,27 @@ def values(gradients, overwrites) -> list:
     """The overwrite values: the gradient where the variable is overwritten, else
     `None`."""
     return [g if flag else None for g, flag in zip(gradients, overwrites, strict=False)]
+
+
+def measured(variables) -> tuple:
+    """Whether each variable is a float8 layer's output-gradient amax history, whose
+    newest entry (index 0, where Keras's `compute_float8_amax_history` writes it)
+    measures the gradient flowing back: a value in the units of the loss the step
+    differentiated, which the window converts to the whole window's."""
+    return tuple(bool(getattr(v, "overwrite_with_gradient", False))
+                 and getattr(v, "name", "") == "outputs_grad_amax_history"
+                 and len(getattr(v, "shape", ())) == 1
+                 for v in variables)
+
+
+def in_units(value, factor):
+    """`value` (an output-gradient amax history) with its newest entry times
+    `factor`: a micro-batch's measurement in the units of the window's summed loss
+    (`factor` the micro-batch's loss divisor), or back (`1 / W`)."""
+    value = ops.convert_to_tensor(value)
+    newest = ops.cast(ops.arange(value.shape[0]) == 0, value.dtype)
+    factor = ops.cast(factor, value.dtype)
+    return value * (1.0 + newest * (factor - 1.0))
 
 
 def maxima(kept, new, first) -> list:
@@ -135,14 +162,14 @@ def privacy_message(marked) -> str:
 def own_step_message(measured) -> str:
     """A model's own `train_step` with float8's output-gradient variables."""
     return (
-        "This model's own `train_step` differentiates its own loss, so float8's "
-        f"output-gradient scales and amax histories ({_listed(measured)}) measure "
-        "and quantize each micro-batch's gradient of that loss (as Keras's "
-        "`gradient_accumulation_steps` does), not the window's as one step on the "
-        "whole window would: the window keeps their maximum, and the weights follow "
-        "a float8 training close to, but not exactly, the large batch's. For the "
-        "large batch's, let Keras's default `train_step` run (override "
-        "`compute_loss` instead)."
+        "This model's own `train_step` differentiates its own loss, so float8 "
+        f"quantizes each micro-batch's gradient of that loss ({_listed(measured)} "
+        "scale it), larger than the window's by the window's weight over the "
+        "micro-batch's: the largest values saturate float8's range where one step on "
+        "the whole window would not, and the weights follow a float8 training close "
+        "to, not exactly, the large batch's (the amax histories record the window's, "
+        "assuming a loss averaged over the micro-batch). For the large batch's, let "
+        "Keras's default `train_step` run (override `compute_loss` instead)."
     )
 
 
@@ -156,6 +183,19 @@ def unknown_rule_message(unknown) -> str:
         "of the micro-batches' (a count, a mean), the window's is not what one step "
         "on the whole window would give it: compute it from the window yourself."
     )
+
+
+#: Warned once at `fit` when a window of a float8 model held micro-batches that weigh
+#: differently (`transitions.micro_batch`).
+UNEQUAL = (
+    "A window of this float8 model held micro-batches of different weights (sizes, "
+    "or unmasked elements): each micro-batch's loss was divided by the window's "
+    "weight as expected from those before it, so float8 quantized the gradient of "
+    "the window's first micro-batches at another size than one step on the whole "
+    "window does. The scales and amax histories are the large batch's; the weights "
+    "are close to, not exactly, its. Equal micro-batches (batch sizes that divide "
+    "the data, no masks varying between micro-batches) make it exact."
+)
 
 
 def _listed(paths, limit: int = 6) -> str:

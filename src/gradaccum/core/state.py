@@ -79,6 +79,10 @@ FIT = (
     Field("inexact", "flag",
           doc="whether a window's loss terms had other ratios (one weight per "
               "micro-batch is then not exact)"),
+    Field("unequal", "flag",
+          doc="with float8 layers: whether a window's micro-batches weighed "
+              "differently (float8 then quantized a micro-batch's gradient at "
+              "another size than the large batch's)"),
     Field("largest_window", "weight",
           doc="with `gradaccum.Privacy`: the most examples a window applied held (the "
               "accountant's sampling rate)"),

@@ -167,6 +167,9 @@ class Record:
     #: Whether each variable is `overwrite_with_gradient` (`gradaccum.core.overwrite`),
     #: in the sums' order; empty where none is.
     overwrites = ()
+    #: Whether each variable's newest entry measures the gradient (a float8 layer's
+    #: output-gradient amax history: `overwrite.measured`); empty where none does.
+    measured = ()
 
 
 class Policy:
@@ -248,12 +251,14 @@ def _scheduled_length(rule, record, opening):
 def loss_unit(policy: Policy, record, weight, replicas: int = 1, length=None, fit=None):
     """What a step divides its weighted loss `w_i * L_i` by where the window updates
     `overwrite_with_gradient` variables (Keras's float8 layers), under reduction
-    "mean": the window's expected total weight `E` (its length in micro-batches times
-    `w_i`, times the replicas; a weight budget's budget). The gradient flowing back
-    through the model is then the large batch's, as float8 measures and quantizes
-    it (its output-gradient amax and scale), and the gradients, times `E`
-    (`micro_batch`'s `unit`), are the weighted ones the sums take. None elsewhere:
-    nothing changes for a model without such variables.
+    "mean": the window's expected total weight `E` (the weight it holds, plus `w_i`
+    for this micro-batch and each one still to come, times the replicas; a weight
+    budget's budget). Where the window's micro-batches weigh alike (and for its last
+    one always) the gradient flowing back through the model is then the large
+    batch's, as float8 quantizes it, and the gradients, times `E` (`micro_batch`'s
+    `unit`), are the weighted ones the sums take. (What float8 measures of it is the
+    window's in any case: `overwrite.measured`.) None elsewhere: nothing changes for
+    a model without such variables.
 
     Args:
         weight: the micro-batch's `w_i`.
@@ -267,24 +272,29 @@ def loss_unit(policy: Policy, record, weight, replicas: int = 1, length=None, fi
         return None
     rule = policy.rule
     weight = ops.cast(weight, "float32")
-    if length is not None:
-        return weight * ops.cast(length, "float32") * float(replicas)
-    if rule.weight_per_update is not None:
+    if rule.weight_per_update is not None and length is None:
         return ops.cast(rule.weight_per_update, "float32") * ops.ones_like(weight)
-    if rule.constant is not None:
+    # The weight the window holds already, and this micro-batch's for each one
+    # still to come (exact for the window's last micro-batch; for all of them
+    # where the micro-batches weigh alike).
+    held = ops.cast(record.get("total_weight"), "float32")
+    before = ops.cast(window_length(record), "float32")
+    if length is not None:
+        length = ops.cast(length, "float32")
+    elif rule.constant is not None:
         length = float(rule.constant)
         if fit is not None and policy.partial == "flush" and fit.has("epoch_length"):
             # The window the data ends in holds what is left of the epoch.
             epoch_length = fit.get("epoch_length")
             left = ops.cast(epoch_length - fit.get("epoch_step") + 1, "float32")
-            held = ops.cast(window_length(record), "float32")
-            length = ops.where(epoch_length > 0, ops.minimum(length, held + left), length)
+            length = ops.where(epoch_length > 0, ops.minimum(length, before + left), length)
     elif rule.scheduled:
         length = ops.cast(_scheduled_length(rule, record, window_length(record) == 0),
                           "float32")
     else:
         length = 1.0
-    return weight * length * float(replicas)
+    expected = held + weight * ops.maximum(length - before, 1.0)
+    return expected * float(replicas)
 
 
 def weigh(policy: Policy, x, y, sample_weight, normalizers, record, *, warn=True):
@@ -381,20 +391,26 @@ def backed_off(counter, scale):
 
 
 def admit(policy: Policy, record, gradients, weight, accept, factor=None,
-          direct: bool = False) -> None:
+          direct: bool = False, divisor=None) -> None:
     """Adds an accepted micro-batch to the window: its gradients times `factor`
     (None: as they are, weighted already) to the sums, its weight to the total; a
     skipped one counts towards the window's length only. `direct`: the window is
     this one micro-batch, whose gradients go to the update as they are (no sums).
     An `overwrite_with_gradient` variable's value is kept as the window's elementwise
-    maximum instead, never weighted nor summed."""
+    maximum instead, never weighted nor summed; a measurement of the gradient
+    (`overwrite.measured`) first times `divisor`, what the step divided the summed
+    loss by (reduction "mean"; None: 1)."""
     if not direct:
         overwrites = record.overwrites
         record.add_sums(overwrite.ordinary(gradients, overwrites), factor, accept)
         if any(overwrites):
             kept = record.sums()
             first = record.get("micro_step") == 0
-            new = overwrite.maxima(kept, overwrite.values(gradients, overwrites), first)
+            values = overwrite.values(gradients, overwrites)
+            if policy.mean and divisor is not None:
+                values = [overwrite.in_units(v, divisor) if v is not None and flag else v
+                          for v, flag in zip(values, record.measured)]
+            new = overwrite.maxima(kept, values, first)
             record.set_sums([_where(accept, value, old) if flag else None
                              for value, old, flag in zip(new, kept, overwrites)])
     taken = ops.cast(accept, "int32")
@@ -510,6 +526,12 @@ def combined(policy: Policy, record, sums=None, total_weight=None) -> list:
                         weight, policy.reduction, dtypes)
     if not any(overwrites):
         return gradients
+    if policy.mean:
+        # A measurement of the gradient, back from the window's summed loss.
+        held = weight > 0
+        inverse = ops.where(held, 1.0 / ops.where(held, weight, 1.0), 1.0)
+        sums = [overwrite.in_units(value, inverse) if flag else value
+                for value, flag in zip(sums, record.measured)]
     return [ops.cast(value, dtype) if flag else g
             for g, value, flag, dtype in zip(gradients, sums, overwrites, dtypes)]
 
@@ -612,7 +634,18 @@ def micro_batch(policy: Policy, record, gradients, weight, *, weighted=False,
         # A step that cannot raise recorded an error: nothing of this micro-batch
         # is accumulated, and no window closes (fit raises after the call).
         accept = accept & ok
-    admit(policy, record, gradients, weight, accept, factor, direct=direct)
+    # What the step divided the summed loss by: the unit, 1 for a weighted loss,
+    # else the micro-batch's weight (the loss its own mean).
+    divisor = unit if unit is not None else 1.0 if weighted else weight
+    if unit is not None and fit is not None and fit.has("unequal"):
+        # A micro-batch that weighs otherwise than those before it in its window:
+        # the window's first ones differentiated another loss than its own.
+        count = ops.cast(record.get("micro_step"), "float32")
+        total = ops.cast(record.get("total_weight"), "float32")
+        other = ops.abs(ops.cast(weight, "float32") * count - total) > 1e-6 * total
+        fit.set("unequal", fit.get("unequal") | (accept & (count > 0) & other))
+    admit(policy, record, gradients, weight, accept, factor, direct=direct,
+          divisor=divisor)
     if not closes:
         record.outcome = Outcome(accept, False, False)
         return accept

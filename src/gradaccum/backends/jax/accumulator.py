@@ -308,3 +308,4 @@ class _Owner(LossScaling):
         super().__init__(optimizer)
         self.variable_dtypes = [v.dtype for v in accumulator.target_variables]
         self.overwrites = overwrite.flags(accumulator.target_variables)
+        self.measured = overwrite.measured(accumulator.target_variables)

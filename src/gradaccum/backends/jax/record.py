@@ -126,6 +126,8 @@ class WindowRecord(FitRecord):
         self.slots = applier.variable_slots
         flags = getattr(step, "overwrites", ())
         self.overwrites = tuple(flags[i] for i in self.slots) if any(flags) else ()
+        measured = getattr(step, "measured", ())
+        self.measured = tuple(measured[i] for i in self.slots) if any(flags) else ()
         # `fit` raises a recorded error after the call, and nothing trains until
         # then; a custom loop's step goes on (`GradientAccumulator.check`).
         self.gates_errors = getattr(step, "gates_errors", True)

@@ -89,6 +89,7 @@ class TrainStep:
         self.appliers_known = own_step is None
         self.variable_dtypes = [v.dtype for v in model.trainable_variables]
         self.overwrites = overwrite.flags(model.trainable_variables)
+        self.measured = overwrite.measured(model.trainable_variables)
         # A LossScaleOptimizer: where its step counter, scale and inner optimizer's
         # variables sit among its variables.
         scaling = LossScaling(optimizer)
@@ -293,6 +294,7 @@ class TrainStep:
             accepted = tr.micro_batch(
                 self.policy, record, gradients, weight, weighted=weighted_gradients,
                 loss_scale=loss_scale, grows=False, closes=False, unit=unit,
+                fit=FitRecord(inner),
             )
             inner.non_trainable = kept_unless(accepted, inner.non_trainable, non_trainable)
             self.follow(inner, non_trainable, self.forward_state,

@@ -104,6 +104,7 @@ class VariableRecord(ModuleRecord):
         self.direct = direct
         flags = overwrite.flags(accumulator.target_variables)
         self.overwrites = flags if any(flags) else ()
+        self.measured = overwrite.measured(accumulator.target_variables) if any(flags) else ()
 
     # Primitives ---------------------------------------------------------------------
 

@@ -52,7 +52,7 @@ def _changing_variables(accumulation) -> list:
     variables += [
         v for v in host.non_trainable_variables if v.shape.num_elements() <= LARGEST_KEPT
     ]
-    variables += [state.epoch_step, state.term_ratios, state.inexact]
+    variables += [state.epoch_step, state.term_ratios, state.inexact, state.unequal]
     # The followed BatchNormalization layers' window statistics (a split batch is
     # its window: they start empty, and a failed attempt must leave them so).
     variables += list(state.statistics.values())

@@ -138,6 +138,8 @@ class FitState(tf.Module):
             tf.zeros([terms], tf.float32), name="term_ratios", **COUNTED
         )
         self.inexact = tf.Variable(False, name="inexact", **COUNTED)
+        # With float8 layers: whether a window's micro-batches weighed differently.
+        self.unequal = tf.Variable(False, name="unequal", **COUNTED)
         # Split mode: the micro-batch size the step uses ("auto" changes it between
         # calls without a retrace), and whether the step got as far as applying
         # (a step that failed after that point cannot be retried).

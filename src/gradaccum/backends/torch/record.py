@@ -161,6 +161,7 @@ class WindowRecord(FieldRecord):
         self.slots = list(slots)
         flags = overwrite.flags(self.targets)
         self.overwrites = flags if any(flags) else ()
+        self.measured = overwrite.measured(self.targets) if any(flags) else ()
         self.noise = noise
         self.reduce = reduce
         self.outcome = None

@@ -365,7 +365,8 @@ class TrainStep:
             with torch.no_grad():
                 accepted = truth(micro_batch_transitions(
                     self.policy, record, gradients, weight, weighted=weighted,
-                    loss_scale=self.growth_steps, grows=False, closes=False, unit=unit))
+                    loss_scale=self.growth_steps, grows=False, closes=False, unit=unit,
+                    fit=fit))
             if not accepted and entry_state is not None:
                 self.forward_state.put_back(entry_state)
             self.follow(moving, tr.Outcome(accepted, False, False))
