@@ -156,7 +156,30 @@ def load_model(filepath, custom_objects=None, compile=True, safe_mode=True):
     if saved is not None:
         model.__dict__[SAVED] = (os.fspath(filepath), saved)
         _keep_on_save(model, saved)
+        if state_file._open_window(saved):
+            _warn_on_plain_fit(model, os.fspath(filepath))
     return model
+
+
+def _warn_on_plain_fit(model, filepath) -> None:
+    """Until `accumulate` takes the saved open window (its own `fit` replaces this
+    one), a `fit` warns that it trains without it."""
+    cls = type(model)
+
+    def fit(*args, **kwargs):
+        if SAVED in model.__dict__:
+            warnings.warn(
+                f"This model holds the open window gradaccum.load_model read from "
+                f"{filepath!r}, and `fit` without gradaccum.accumulate trains without "
+                "it (an update per batch; the window's micro-batches are lost). Call "
+                "gradaccum.accumulate(model, ...) with the window rule that saved it "
+                "first.",
+                stacklevel=2,
+            )
+            model.__dict__.pop(SAVED, None)
+        return cls.fit(model, *args, **kwargs)
+
+    model.__dict__["fit"] = fit
 
 
 def _keep_on_save(model, saved) -> None:

@@ -234,6 +234,20 @@ def test_a_loaded_model_saved_again_before_it_trains_keeps_the_window(tmp_path):
         gradaccum.load_model(first).save(str(tmp_path / "legacy.h5"))
 
 
+def test_a_loaded_open_window_fit_without_accumulate_is_warned(tmp_path):
+    x, y = data(20)
+    path = str(tmp_path / "open.keras")
+    model = _trainer("carry")
+    model.fit(x, y, batch_size=4, shuffle=False, verbose=0)  # 5 micro-batches: 2 open
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.save(path)
+    loaded = gradaccum.load_model(path)
+    with pytest.warns(UserWarning, match="`fit` without gradaccum.accumulate trains"):
+        loaded.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    assert int(loaded.optimizer.iterations) == 1 + 5
+
+
 def test_a_save_that_cannot_carry_the_window_warns(tmp_path):
     x, y = data(20)
     model = _trainer("carry")

@@ -12,6 +12,9 @@ counts the all-reduces DDP makes itself. Modes, each on a fresh model and DDP:
   backward inside `acc.no_sync(ddp)`, `acc.step(optimizer, grads, weight=len(x))`.
 - `budget`: the same with `weight_per_update=BUDGET` (the global window's weight),
   `process_group=dist.group.WORLD` given.
+- `overwrite`: `steps` with one more variable marked `overwrite_with_gradient`
+  (float8's rule), handed `10 * rank + i` at micro-batch `i`: each window's value
+  is the maximum over both ranks, not their sum.
 - `builtin`: what users write without gradaccum: plain DDP backward per micro-batch
   (synchronized, DDP averages over the ranks) of `loss / window length`, the
   summed `.grad` applied every `STEPS` micro-batches (and at the end of a pass).
@@ -82,7 +85,14 @@ def train(mode: str, rank: int) -> dict:
     variables = model.trainable_weights
     optimizer.build(variables)
     acc = None
-    if mode == "steps":
+    marked = None
+    if mode == "overwrite":
+        marked = keras.Variable(0.0, name="marked")
+        marked.overwrite_with_gradient = True
+        variables = [*variables, marked]
+        optimizer = keras.optimizers.Adam(LEARNING_RATE)
+        optimizer.build(variables)
+    if mode in ("steps", "overwrite"):
         acc = gradaccum.GradientAccumulator(variables, steps=STEPS)
     elif mode == "budget":
         # The group given explicitly (the same as "auto" here).
@@ -106,7 +116,9 @@ def train(mode: str, rank: int) -> dict:
                     loss = SCE(yb, y_pred)
                     ddp.zero_grad()
                     loss.backward()
-                grads = [v.value.grad for v in variables]
+                grads = [v.value.grad for v in variables if v is not marked]
+                if marked is not None:
+                    grads.append(torch.tensor(10.0 * rank + i))
                 if bool(acc.step(optimizer, grads, weight=len(index))):
                     updated()
                 continue
@@ -129,6 +141,7 @@ def train(mode: str, rank: int) -> dict:
         "optimizer": to_list(optimizer.variables),
         "optimizer_paths": [v.path for v in optimizer.variables],
         "updates": None if acc is None else int(acc.updates.numpy()),
+        "marked": None if marked is None else float(marked.numpy()),
         "iterations": int(optimizer.iterations.numpy()),
         "ddp_all_reduces": counter.all_reduces,
         "gradaccum_all_reduces": 0 if acc is None else acc.all_reduces,
@@ -141,7 +154,8 @@ def main(rank: int, port: str, folder: str) -> None:
                             world_size=2)
     try:
         results = {"world_size": dist.get_world_size(),
-                   **{mode: train(mode, rank) for mode in ("steps", "budget", "builtin")}}
+                   **{mode: train(mode, rank)
+                      for mode in ("steps", "budget", "overwrite", "builtin")}}
     finally:
         dist.destroy_process_group()
     with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:

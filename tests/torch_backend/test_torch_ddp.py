@@ -179,6 +179,21 @@ def test_no_sync_steps_trains_as_one_process_on_the_global_windows(ranks):
             float(sum(map(len, w))) for w in windows]
 
 
+def test_an_overwrite_variable_takes_the_maximum_over_the_ranks(ranks):
+    # float8's rule across processes: the last window of the last pass holds
+    # micro-batches 6 and 7, rank 1 handing 16 and 17: the maximum, on both ranks
+    # (a sum would give 23, a mean 11.5). The other variables train as `steps`.
+    windows = _windows(_by_steps())
+    for r in ranks:
+        run = r["overwrite"]
+        assert run["marked"] == 17.0
+        assert run["updates"] == 6
+        # One all-reduce of the sums and one of the maxima per update.
+        assert run["gradaccum_all_reduces"] == 2 * run["updates"]
+    result = _equal_ranks(ranks, "overwrite")
+    _close(result["weights"], _reference(windows)[0].get_weights())
+
+
 def test_no_sync_weight_budget_closes_on_the_global_weight(ranks):
     lengths = _by_budget(BUDGET)
     # Global weights 8+7, 6+3+9, 15, then 6+4 left for `acc.apply`.

@@ -192,9 +192,10 @@ UNEQUAL = (
     "or unmasked elements): each micro-batch's loss was divided by the window's "
     "weight as expected from those before it, so float8 quantized the gradient of "
     "the window's first micro-batches at another size than one step on the whole "
-    "window does. The scales and amax histories are the large batch's; the weights "
-    "are close to, not exactly, its. Equal micro-batches (batch sizes that divide "
-    "the data, no masks varying between micro-batches) make it exact."
+    "window does. The weights, and the output-gradient amax histories of all but "
+    "the layer nearest the loss, are close to, not exactly, the large batch's. "
+    "Equal micro-batches (batch sizes that divide the data, no masks varying "
+    "between micro-batches) make it exact."
 )
 
 
