@@ -60,7 +60,7 @@ def reference_gradient(model, x, y, window, reduction, weighting):
     return [t / len(window) for t in total]
 
 
-@settings(max_examples=min(12, settings().max_examples), **SETTINGS)
+@settings(max_examples=min(10, settings().max_examples), **SETTINGS)
 @given(
     sizes=st.lists(st.integers(1, 33), min_size=1, max_size=9),
     steps=st.integers(1, 8),

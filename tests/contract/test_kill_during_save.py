@@ -26,10 +26,10 @@ JOB = pathlib.Path(__file__).with_name("kill_job.py")
 sys.path.insert(0, str(JOB.parent))
 from kill_job import FIRST, SECOND, trainer  # noqa: E402
 
-# Moments of the second save, as fractions of its duration (about 20 ms here): 36
+# Moments of the second save, as fractions of its duration (about 20 ms here): 18
 # points spread over it and a little past it (the weights' write, the state's, the
 # renames: the save's own length varies), and two after it.
-FRACTIONS = [round(0.04 * i, 2) for i in range(36)] + [2.0, 3.0]
+FRACTIONS = [round(0.08 * i, 2) for i in range(18)] + [2.0, 3.0]
 
 
 def _kill_job(directory, fraction):
