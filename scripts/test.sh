@@ -17,7 +17,7 @@
 # backends (default "tensorflow jax torch"; `GRADACCUM_BACKENDS=torch bash scripts/test.sh`).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-GRADACCUM_EXTRAS=tf,experiment,test,hub source "$root/scripts/setup.sh"
+GRADACCUM_EXTRAS=tf,experiment,test,hub,docs source "$root/scripts/setup.sh"
 cd "$root"
 python -m ruff check .
 tier=(--durations=15)

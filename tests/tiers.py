@@ -624,6 +624,10 @@ SLOW = [
     "contract/test_float8.py::test_the_audit_of_a_float8_block_is_exact_and_names_the_rule",
     "test_replicas.py::test_float8_on_two_replicas_equals_one_device",
     "contract/test_nothing_lost.py::test_a_loaded_open_window_fit_without_accumulate_is_warned",
+    # Issue 56: the built package (a build, a fresh environment: about a minute) and the
+    # built site (mkdocs imports gradaccum and TensorFlow to read the docstrings).
+    "test_package.py",
+    "test_site.py",
 ]
 
 HUB = [
@@ -653,6 +657,8 @@ MULTI_DEVICE = [
 ]
 
 SUBPROCESS = [
+    "test_package.py",
+    "test_site.py",
     "test_gpu_benchmark.py",
     "contract/test_kill_during_save.py",
     "contract/test_experiment.py::"

@@ -109,7 +109,7 @@ def accumulate(
         ValueError: if `model` is not a Keras model or accumulates already, on an
             invalid option, or (at compile) an optimizer that accumulates itself.
 
-    Example:
+    Examples:
 
     >>> import keras, numpy as np, gradaccum
     >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
@@ -172,7 +172,7 @@ def disable(model):
     Raises:
         ValueError: if gradaccum does not accumulate for `model`.
 
-    Example:
+    Examples:
 
     >>> import keras, gradaccum
     >>> model = gradaccum.accumulate(keras.Sequential([keras.layers.Dense(1)]), steps=2)

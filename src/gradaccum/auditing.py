@@ -141,7 +141,7 @@ def audit(model, x, y=None, *, steps, batch_size, sample_weight=None,
             dataset or a generator); data with fewer than `batch_size` samples, or
             too few for `steps` micro-batches.
 
-    Example:
+    Examples:
 
     >>> import keras, numpy as np, gradaccum
     >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, "relu"),

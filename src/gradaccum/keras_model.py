@@ -36,7 +36,7 @@ class AccumulatingModel(keras.Model):
     Raises:
         ValueError: as `gradaccum.wrap`.
 
-    Example:
+    Examples:
 
     >>> import keras, numpy as np, gradaccum
     >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
@@ -306,7 +306,7 @@ def wrap(
             `convert_batch_norm` or `nonfinite`, or (with `convert_batch_norm`) a subclassed model
             or a BatchNormalization option that cannot be honoured.
 
-    Example:
+    Examples:
 
     >>> import keras, numpy as np, gradaccum
     >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])

@@ -137,7 +137,7 @@ def load_model(filepath, custom_objects=None, compile=True, safe_mode=True):
             file: the message says how to load without it). `accumulate` raises
             where the saved open window belongs to another model or window rule.
 
-    Example:
+    Examples:
 
     >>> import keras, numpy as np, gradaccum
     >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])

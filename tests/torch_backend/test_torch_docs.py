@@ -1,5 +1,5 @@
-"""The README's blocks for Keras's PyTorch backend run as written, and the examples in
-the PyTorch adapter's docstrings."""
+"""The blocks of the README and the docs for Keras's PyTorch backend run as written, and
+the examples in the PyTorch adapter's docstrings."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import importlib
 
 import pytest
 
-from test_docs import ROOT, python_blocks
+from test_docs import documented_blocks
 
-BLOCKS = python_blocks(ROOT / "README.md", backend="torch")
+BLOCKS = documented_blocks("torch")
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_readme_torch_block_runs(index):
-    exec(compile(BLOCKS[index], f"README.md PyTorch block {index}", "exec"), {"__name__": "readme"})
+@pytest.mark.parametrize("label, code", BLOCKS, ids=[label for label, _ in BLOCKS])
+def test_documented_torch_block_runs(label, code):
+    exec(compile(code, label, "exec"), {"__name__": "docs"})
 
 
 @pytest.mark.parametrize("module", ["gradaccum.backends.torch.accumulator"])

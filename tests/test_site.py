@@ -1,0 +1,133 @@
+"""The documentation site builds as users would read it: `mkdocs build --strict`
+(every page in the nav, no broken reference, every docstring parsed), every internal
+link of the built site leads to a page and an anchor that exist, the API reference
+holds every public name of `gradaccum` and none of its private modules, and, where
+a Chromium is installed, a real browser loads the home page, a guide and the API
+page without a console error."""
+
+from __future__ import annotations
+
+import html.parser
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import urllib.parse
+
+import pytest
+
+import gradaccum
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PUBLIC = sorted(set(gradaccum.__all__) - {"__version__"})
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> pathlib.Path:
+    pytest.importorskip("mkdocs", reason="the `docs` extra builds the site")
+    out = tmp_path_factory.mktemp("site")
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1", KERAS_BACKEND="tensorflow")
+    built = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict",
+                            "--site-dir", str(out)], cwd=ROOT, capture_output=True,
+                           text=True, timeout=600, env=env)
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-5000:]
+    return out
+
+
+class _Page(html.parser.HTMLParser):
+    """A built page's ids and the links and sources it points to."""
+
+    def __init__(self):
+        super().__init__()
+        self.ids, self.links = set(), []
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if "id" in attrs:
+            self.ids.add(attrs["id"])
+        for name in ("href", "src"):
+            if attrs.get(name):
+                self.links.append(attrs[name])
+
+
+def _parsed(path: pathlib.Path) -> _Page:
+    page = _Page()
+    page.feed(path.read_text(errors="replace"))
+    return page
+
+
+def test_every_internal_link_of_the_built_site_resolves(site):
+    pages = {path: _parsed(path) for path in site.rglob("*.html")}
+    broken = []
+    for path, page in pages.items():
+        for link in page.links:
+            parts = urllib.parse.urlsplit(link)
+            if parts.scheme or parts.netloc or link.startswith(("mailto:", "javascript:")):
+                continue
+            target = (path.parent / urllib.parse.unquote(parts.path)).resolve() \
+                if parts.path else path
+            if target.is_dir():
+                target = target / "index.html"
+            if not target.exists():
+                broken.append(f"{path.relative_to(site)} -> {link}")
+                continue
+            if parts.fragment and target.suffix == ".html":
+                ids = pages[target].ids if target in pages else _parsed(target).ids
+                if parts.fragment not in ids:
+                    broken.append(f"{path.relative_to(site)} -> {link} (no such anchor)")
+    assert not broken, "\n".join(broken[:40])
+    assert len(pages) >= 20
+
+
+def test_the_api_reference_holds_every_public_name_and_no_private_module(site):
+    page = _parsed(site / "api" / "index.html")
+    for name in PUBLIC:
+        assert f"gradaccum.{name}" in page.ids, name
+    for backend in ("jax", "torch"):
+        assert f"gradaccum.backends.{backend}.accumulator.GradientAccumulator" in page.ids
+    text = (site / "api" / "index.html").read_text()
+    # Rendered from the docstrings, options filled in (`accumulate`'s `{options}`).
+    assert "{options}" not in text and "weighting" in text
+    private = [i for i in page.ids if i.startswith("gradaccum.") and any(
+        part.startswith("_") and not part.startswith("__") for part in i.split("."))]
+    assert not private, private
+
+
+def test_the_performance_page_shows_the_figures_drawn_from_the_record(site):
+    for name in ("throughput.png", "memory.png"):
+        figure = site / "figures" / name
+        assert figure.exists() and figure.stat().st_size > 10_000, name
+    text = (site / "performance" / "index.html").read_text()
+    assert "figures/throughput.png" in text and "figures/memory.png" in text
+
+
+def _browser():
+    for name in ("chromium", "chromium-browser", "google-chrome", "chrome"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+@pytest.mark.parametrize("page", ["index.html", "guides/fit/index.html", "api/index.html"])
+def test_a_real_browser_loads_the_page_without_console_errors(site, page, tmp_path):
+    browser = _browser()
+    if browser is None:
+        pytest.skip("no Chromium installed (Debian: apt install chromium)")
+    url = (site / page).as_uri()
+    shot = tmp_path / "page.png"
+    common = [browser, "--headless", "--no-sandbox", "--disable-gpu",
+              "--enable-logging=stderr", "--v=0"]
+    dumped = subprocess.run([*common, "--dump-dom", url], capture_output=True, text=True,
+                            timeout=120)
+    assert dumped.returncode == 0, dumped.stderr[-2000:]
+    assert "</html>" in dumped.stdout
+    errors = [line for line in dumped.stderr.splitlines()
+              if "CONSOLE" in line and ("Uncaught" in line or ":ERROR" in line)]
+    assert not errors, errors
+    if page.startswith("api"):
+        assert "gradaccum.accumulate" in dumped.stdout
+    captured = subprocess.run([*common, f"--screenshot={shot}", "--window-size=1280,900",
+                               url], capture_output=True, text=True, timeout=120)
+    assert captured.returncode == 0 and shot.exists(), captured.stderr[-2000:]
