@@ -65,8 +65,13 @@ def test_every_internal_link_of_the_built_site_resolves(site):
             parts = urllib.parse.urlsplit(link)
             if parts.scheme or parts.netloc or link.startswith(("mailto:", "javascript:")):
                 continue
-            target = (path.parent / urllib.parse.unquote(parts.path)).resolve() \
-                if parts.path else path
+            if not parts.path:
+                target = path
+            elif parts.path.startswith("/"):
+                # (The 404 page links from the site's root: it is served anywhere.)
+                target = (site / urllib.parse.unquote(parts.path).lstrip("/")).resolve()
+            else:
+                target = (path.parent / urllib.parse.unquote(parts.path)).resolve()
             if target.is_dir():
                 target = target / "index.html"
             if not target.exists():

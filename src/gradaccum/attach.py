@@ -111,19 +111,19 @@ def accumulate(
 
     Examples:
 
-    >>> import keras, numpy as np, gradaccum
-    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-    >>> model = gradaccum.accumulate(model, steps=4)
-    >>> model.compile(optimizer="adam", loss="mse")
-    >>> x, y = np.ones((100, 4)), np.zeros((100, 1))
-    >>> history = model.fit(x, y, batch_size=8, epochs=2, verbose=0)
-    >>> history.history["updates"]  # 13 micro-batches per epoch: 3 windows + 1 partial
-    [4.0, 8.0]
-    >>> model = gradaccum.disable(model)  # plain Keras training again
-    >>> model = gradaccum.accumulate(model, micro_batch_size=3)  # split mode
-    >>> history = model.fit(x, y, batch_size=10, epochs=1, verbose=0)
-    >>> history.history["updates"]  # 10 batches of 10, each as 3 + 3 + 3 + 1
-    [18.0]
+        >>> import keras, numpy as np, gradaccum
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        >>> model = gradaccum.accumulate(model, steps=4)
+        >>> model.compile(optimizer="adam", loss="mse")
+        >>> x, y = np.ones((100, 4)), np.zeros((100, 1))
+        >>> history = model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+        >>> history.history["updates"]  # 13 micro-batches per epoch: 3 windows + 1 partial
+        [4.0, 8.0]
+        >>> model = gradaccum.disable(model)  # plain Keras training again
+        >>> model = gradaccum.accumulate(model, micro_batch_size=3)  # split mode
+        >>> history = model.fit(x, y, batch_size=10, epochs=1, verbose=0)
+        >>> history.history["updates"]  # 10 batches of 10, each as 3 + 3 + 3 + 1
+        [18.0]
     """
     from gradaccum.keras_model import AccumulatingModel
 
@@ -174,10 +174,10 @@ def disable(model):
 
     Examples:
 
-    >>> import keras, gradaccum
-    >>> model = gradaccum.accumulate(keras.Sequential([keras.layers.Dense(1)]), steps=2)
-    >>> gradaccum.disable(model) is model
-    True
+        >>> import keras, gradaccum
+        >>> model = gradaccum.accumulate(keras.Sequential([keras.layers.Dense(1)]), steps=2)
+        >>> gradaccum.disable(model) is model
+        True
     """
     accumulation = accumulation_of(model) if isinstance(model, keras.Model) else None
     if accumulation is None:

@@ -143,17 +143,17 @@ def audit(model, x, y=None, *, steps, batch_size, sample_weight=None,
 
     Examples:
 
-    >>> import keras, numpy as np, gradaccum
-    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, "relu"),
-    ...                           keras.layers.Dropout(0.5), keras.layers.Dense(2)])
-    >>> model.compile("adam", keras.losses.SparseCategoricalCrossentropy(True))
-    >>> x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
-    >>> y = np.arange(32) % 2
-    >>> report = gradaccum.audit(model, x, y, steps=4, batch_size=8)
-    >>> report.exact
-    False
-    >>> report.causes[0].startswith("Dropout layer")
-    True
+        >>> import keras, numpy as np, gradaccum
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, "relu"),
+        ...                           keras.layers.Dropout(0.5), keras.layers.Dense(2)])
+        >>> model.compile("adam", keras.losses.SparseCategoricalCrossentropy(True))
+        >>> x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+        >>> y = np.arange(32) % 2
+        >>> report = gradaccum.audit(model, x, y, steps=4, batch_size=8)
+        >>> report.exact
+        False
+        >>> report.causes[0].startswith("Dropout layer")
+        True
     """
     from gradaccum.attach import accumulate, disable
 

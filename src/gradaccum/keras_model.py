@@ -38,15 +38,15 @@ class AccumulatingModel(keras.Model):
 
     Examples:
 
-    >>> import keras, numpy as np, gradaccum
-    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-    >>> trainer = gradaccum.AccumulatingModel(model, steps=2, partial="drop")
-    >>> trainer.compile(optimizer="sgd", loss="mse")
-    >>> history = trainer.fit(np.ones((10, 2)), np.ones((10, 1)), batch_size=2, verbose=0)
-    >>> int(trainer.optimizer.iterations)  # 5 micro-batches: 2 windows, 1 dropped
-    2
-    >>> trainer.model is model
-    True
+        >>> import keras, numpy as np, gradaccum
+        >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        >>> trainer = gradaccum.AccumulatingModel(model, steps=2, partial="drop")
+        >>> trainer.compile(optimizer="sgd", loss="mse")
+        >>> history = trainer.fit(np.ones((10, 2)), np.ones((10, 1)), batch_size=2, verbose=0)
+        >>> int(trainer.optimizer.iterations)  # 5 micro-batches: 2 windows, 1 dropped
+        2
+        >>> trainer.model is model
+        True
     """
 
     def __init__(
@@ -308,16 +308,16 @@ def wrap(
 
     Examples:
 
-    >>> import keras, numpy as np, gradaccum
-    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-    >>> trainer = gradaccum.wrap(model, steps=4)
-    >>> trainer.compile(optimizer="adam", loss="mse")
-    >>> x, y = np.ones((100, 4)), np.zeros((100, 1))
-    >>> history = trainer.fit(x, y, batch_size=8, epochs=2, verbose=0)
-    >>> history.history["updates"]  # 13 micro-batches per epoch: 3 windows + 1 partial
-    [4.0, 8.0]
-    >>> int(trainer.optimizer.iterations)
-    8
+        >>> import keras, numpy as np, gradaccum
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        >>> trainer = gradaccum.wrap(model, steps=4)
+        >>> trainer.compile(optimizer="adam", loss="mse")
+        >>> x, y = np.ones((100, 4)), np.zeros((100, 1))
+        >>> history = trainer.fit(x, y, batch_size=8, epochs=2, verbose=0)
+        >>> history.history["updates"]  # 13 micro-batches per epoch: 3 windows + 1 partial
+        [4.0, 8.0]
+        >>> int(trainer.optimizer.iterations)
+        8
     """
     return AccumulatingModel(model, convert_batch_norm=convert_batch_norm,
                              **given(locals()))

@@ -139,16 +139,16 @@ def load_model(filepath, custom_objects=None, compile=True, safe_mode=True):
 
     Examples:
 
-    >>> import keras, numpy as np, gradaccum
-    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
-    >>> model = gradaccum.accumulate(model, steps=4, partial="carry")
-    >>> model.compile(keras.optimizers.SGD(0.1), "mse")
-    >>> _ = model.fit(np.ones((12, 3)), np.zeros((12, 1)), batch_size=2, verbose=0)
-    >>> model.save("/tmp/gradaccum_example.keras")  # 6 micro-batches: 2 stay open
-    >>> loaded = gradaccum.load_model("/tmp/gradaccum_example.keras")
-    >>> loaded = gradaccum.accumulate(loaded, steps=4, partial="carry")
-    >>> gradaccum.attach.accumulation_of(loaded).open_micro_batches()
-    2
+        >>> import keras, numpy as np, gradaccum
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        >>> model = gradaccum.accumulate(model, steps=4, partial="carry")
+        >>> model.compile(keras.optimizers.SGD(0.1), "mse")
+        >>> _ = model.fit(np.ones((12, 3)), np.zeros((12, 1)), batch_size=2, verbose=0)
+        >>> model.save("/tmp/gradaccum_example.keras")  # 6 micro-batches: 2 stay open
+        >>> loaded = gradaccum.load_model("/tmp/gradaccum_example.keras")
+        >>> loaded = gradaccum.accumulate(loaded, steps=4, partial="carry")
+        >>> gradaccum.attach.accumulation_of(loaded).open_micro_batches()
+        2
     """
     model = keras.saving.load_model(filepath, custom_objects=custom_objects,
                                     compile=compile, safe_mode=safe_mode)

@@ -80,18 +80,18 @@ class Privacy:
 
     Examples:
 
-    >>> import keras, numpy as np, gradaccum
-    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
-    >>> privacy = gradaccum.Privacy(l2_norm_clip=1.0, noise_multiplier=1.1, seed=0,
-    ...                             dataset_size=64, delta=1e-5)
-    >>> model = gradaccum.accumulate(model, steps=4, privacy=privacy)
-    >>> model.compile(optimizer="sgd", loss="mse")
-    >>> history = model.fit(np.ones((64, 4)), np.zeros((64, 1)), batch_size=4, epochs=2,
-    ...                     verbose=0)
-    >>> history.history["updates"]  # 16 micro-batches of 4 per epoch: 4 windows of 16
-    [4.0, 8.0]
-    >>> round(gradaccum.privacy_spent(model), 1) == round(history.history["epsilon"][-1], 1)
-    True
+        >>> import keras, numpy as np, gradaccum
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        >>> privacy = gradaccum.Privacy(l2_norm_clip=1.0, noise_multiplier=1.1, seed=0,
+        ...                             dataset_size=64, delta=1e-5)
+        >>> model = gradaccum.accumulate(model, steps=4, privacy=privacy)
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> history = model.fit(np.ones((64, 4)), np.zeros((64, 1)), batch_size=4, epochs=2,
+        ...                     verbose=0)
+        >>> history.history["updates"]  # 16 micro-batches of 4 per epoch: 4 windows of 16
+        [4.0, 8.0]
+        >>> round(gradaccum.privacy_spent(model), 1) == round(history.history["epsilon"][-1], 1)
+        True
     """
 
     def __init__(self, l2_norm_clip, noise_multiplier, seed=None, *, dataset_size=None,

@@ -87,36 +87,36 @@ class GradientAccumulator(Packed):
 
     Examples:
 
-    >>> import os; os.environ["KERAS_BACKEND"] = "jax"
-    >>> import jax, keras, numpy as np, gradaccum
-    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
-    >>> optimizer = keras.optimizers.SGD(0.1)
-    >>> optimizer.build(model.trainable_variables)
-    >>> acc = gradaccum.GradientAccumulator(model.trainable_variables, steps=2)
-    >>> def loss_fn(trainable, non_trainable, x, y):
-    ...     pred, _ = model.stateless_call(trainable, non_trainable, x)
-    ...     return keras.ops.mean((pred - y) ** 2)
-    >>> @jax.jit
-    ... def train_step(state, x, y):
-    ...     trainable, non_trainable, optimizer_vars, acc_vars = state
-    ...     grads = jax.grad(loss_fn)(trainable, non_trainable, x, y)
-    ...     trainable, optimizer_vars, acc_vars = acc.stateless_step(
-    ...         optimizer, grads, trainable, optimizer_vars, acc_vars, weight=x.shape[0])
-    ...     return trainable, non_trainable, optimizer_vars, acc_vars
-    >>> state = ([v.value for v in model.trainable_variables],
-    ...          [v.value for v in model.non_trainable_variables],
-    ...          [v.value for v in optimizer.variables],
-    ...          [v.value for v in acc.variables])
-    >>> x, y = np.ones((12, 3), "float32"), np.zeros((12, 1), "float32")
-    >>> for start in (0, 4, 8):  # micro-batches of 4, 4 and 4
-    ...     state = train_step(state, x[start:start + 4], y[start:start + 4])
-    >>> trainable, non_trainable, optimizer_vars, acc_vars = state
-    >>> trainable, optimizer_vars, acc_vars = acc.stateless_apply(
-    ...     optimizer, trainable, optimizer_vars, acc_vars)  # the partial window of 1
-    >>> for variable, value in zip(acc.variables, acc_vars):
-    ...     _ = variable.assign(value)
-    >>> int(acc.updates.numpy()), int(acc.micro_step.numpy())
-    (2, 0)
+        >>> import os; os.environ["KERAS_BACKEND"] = "jax"
+        >>> import jax, keras, numpy as np, gradaccum
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        >>> optimizer = keras.optimizers.SGD(0.1)
+        >>> optimizer.build(model.trainable_variables)
+        >>> acc = gradaccum.GradientAccumulator(model.trainable_variables, steps=2)
+        >>> def loss_fn(trainable, non_trainable, x, y):
+        ...     pred, _ = model.stateless_call(trainable, non_trainable, x)
+        ...     return keras.ops.mean((pred - y) ** 2)
+        >>> @jax.jit
+        ... def train_step(state, x, y):
+        ...     trainable, non_trainable, optimizer_vars, acc_vars = state
+        ...     grads = jax.grad(loss_fn)(trainable, non_trainable, x, y)
+        ...     trainable, optimizer_vars, acc_vars = acc.stateless_step(
+        ...         optimizer, grads, trainable, optimizer_vars, acc_vars, weight=x.shape[0])
+        ...     return trainable, non_trainable, optimizer_vars, acc_vars
+        >>> state = ([v.value for v in model.trainable_variables],
+        ...          [v.value for v in model.non_trainable_variables],
+        ...          [v.value for v in optimizer.variables],
+        ...          [v.value for v in acc.variables])
+        >>> x, y = np.ones((12, 3), "float32"), np.zeros((12, 1), "float32")
+        >>> for start in (0, 4, 8):  # micro-batches of 4, 4 and 4
+        ...     state = train_step(state, x[start:start + 4], y[start:start + 4])
+        >>> trainable, non_trainable, optimizer_vars, acc_vars = state
+        >>> trainable, optimizer_vars, acc_vars = acc.stateless_apply(
+        ...     optimizer, trainable, optimizer_vars, acc_vars)  # the partial window of 1
+        >>> for variable, value in zip(acc.variables, acc_vars):
+        ...     _ = variable.assign(value)
+        >>> int(acc.updates.numpy()), int(acc.micro_step.numpy())
+        (2, 0)
     """
 
     def __init__(self, variables, *, steps=None, weight_per_update=None, reduction="mean",

@@ -129,40 +129,40 @@ class GradientAccumulator(tf.Module):
 
     Examples:
 
-    >>> import tensorflow as tf, keras, gradaccum
-    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
-    >>> optimizer = keras.optimizers.Adam(1e-2)
-    >>> acc = gradaccum.GradientAccumulator(model.trainable_variables, steps=2)
-    >>> x, y = tf.ones((8, 3)), tf.zeros((8, 1))
-    >>> @tf.function
-    ... def train_step(x, y):
-    ...     with tf.GradientTape() as tape:
-    ...         loss = keras.losses.mean_squared_error(y, model(x))
-    ...         loss = tf.reduce_mean(loss)
-    ...     grads = tape.gradient(loss, model.trainable_variables)
-    ...     return acc.step(optimizer, grads, weight=tf.shape(x)[0])
-    >>> [bool(train_step(x[i:i + 4], y[i:i + 4])) for i in (0, 4)]
-    [False, True]
-    >>> int(optimizer.iterations), int(acc.micro_step)
-    (1, 0)
+        >>> import tensorflow as tf, keras, gradaccum
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        >>> optimizer = keras.optimizers.Adam(1e-2)
+        >>> acc = gradaccum.GradientAccumulator(model.trainable_variables, steps=2)
+        >>> x, y = tf.ones((8, 3)), tf.zeros((8, 1))
+        >>> @tf.function
+        ... def train_step(x, y):
+        ...     with tf.GradientTape() as tape:
+        ...         loss = keras.losses.mean_squared_error(y, model(x))
+        ...         loss = tf.reduce_mean(loss)
+        ...     grads = tape.gradient(loss, model.trainable_variables)
+        ...     return acc.step(optimizer, grads, weight=tf.shape(x)[0])
+        >>> [bool(train_step(x[i:i + 4], y[i:i + 4])) for i in (0, 4)]
+        [False, True]
+        >>> int(optimizer.iterations), int(acc.micro_step)
+        (1, 0)
 
-    Windows that vary: a ramp (1 micro-batch for updates 0 and 1, then 2), and a
-    weight budget (a window closes once its weights reach 10).
+        Windows that vary: a ramp (1 micro-batch for updates 0 and 1, then 2), and a
+        weight budget (a window closes once its weights reach 10).
 
-    >>> sgd = keras.optimizers.SGD(0.1)
-    >>> grads = [tf.zeros_like(v) for v in model.trainable_variables]
-    >>> ramp = gradaccum.GradientAccumulator(
-    ...     model.trainable_variables, steps=[(0, 1), (2, 2)])
-    >>> [bool(ramp.step(sgd, grads, weight=4)) for _ in range(6)]
-    [True, True, False, True, False, True]
-    >>> int(ramp.updates), int(ramp.last_window_micro_batches)
-    (4, 2)
-    >>> budget = gradaccum.GradientAccumulator(
-    ...     model.trainable_variables, weight_per_update=10)
-    >>> [bool(budget.step(sgd, grads, weight=w)) for w in (4, 4, 4, 12, 3)]
-    [False, False, True, True, False]
-    >>> float(budget.last_window_weight)
-    12.0
+        >>> sgd = keras.optimizers.SGD(0.1)
+        >>> grads = [tf.zeros_like(v) for v in model.trainable_variables]
+        >>> ramp = gradaccum.GradientAccumulator(
+        ...     model.trainable_variables, steps=[(0, 1), (2, 2)])
+        >>> [bool(ramp.step(sgd, grads, weight=4)) for _ in range(6)]
+        [True, True, False, True, False, True]
+        >>> int(ramp.updates), int(ramp.last_window_micro_batches)
+        (4, 2)
+        >>> budget = gradaccum.GradientAccumulator(
+        ...     model.trainable_variables, weight_per_update=10)
+        >>> [bool(budget.step(sgd, grads, weight=w)) for w in (4, 4, 4, 12, 3)]
+        [False, False, True, True, False]
+        >>> float(budget.last_window_weight)
+        12.0
     """
 
     def __init__(

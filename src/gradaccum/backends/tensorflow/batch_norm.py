@@ -123,17 +123,17 @@ class BatchNormalization(keras.layers.BatchNormalization):
 
     Examples:
 
-    >>> import keras, numpy as np, gradaccum
-    >>> model = keras.Sequential([
-    ...     keras.Input((3,)), keras.layers.Dense(4), gradaccum.BatchNormalization(),
-    ...     keras.layers.Dense(1)])
-    >>> trainer = gradaccum.wrap(model, steps=2)
-    >>> trainer.compile(optimizer="sgd", loss="mse")
-    >>> x = np.arange(24, dtype="float32").reshape(8, 3)
-    >>> _ = trainer.fit(x, np.ones((8, 1)), batch_size=2, verbose=0)
-    >>> bn = model.layers[1]
-    >>> float(bn.window_count.numpy().max())  # every window applied: nothing pending
-    0.0
+        >>> import keras, numpy as np, gradaccum
+        >>> model = keras.Sequential([
+        ...     keras.Input((3,)), keras.layers.Dense(4), gradaccum.BatchNormalization(),
+        ...     keras.layers.Dense(1)])
+        >>> trainer = gradaccum.wrap(model, steps=2)
+        >>> trainer.compile(optimizer="sgd", loss="mse")
+        >>> x = np.arange(24, dtype="float32").reshape(8, 3)
+        >>> _ = trainer.fit(x, np.ones((8, 1)), batch_size=2, verbose=0)
+        >>> bn = model.layers[1]
+        >>> float(bn.window_count.numpy().max())  # every window applied: nothing pending
+        0.0
     """
 
     # Window-aware itself: not followed by `core.moving_statistics`.
@@ -370,15 +370,15 @@ def convert_batch_normalization(model):
 
     Examples:
 
-    >>> import keras, numpy as np, gradaccum
-    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4),
-    ...                           keras.layers.BatchNormalization()])
-    >>> converted = gradaccum.convert_batch_normalization(model)
-    >>> type(converted.layers[1]) is gradaccum.BatchNormalization
-    True
-    >>> x = np.ones((2, 3), "float32")
-    >>> bool(np.array_equal(model.predict(x, verbose=0), converted.predict(x, verbose=0)))
-    True
+        >>> import keras, numpy as np, gradaccum
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4),
+        ...                           keras.layers.BatchNormalization()])
+        >>> converted = gradaccum.convert_batch_normalization(model)
+        >>> type(converted.layers[1]) is gradaccum.BatchNormalization
+        True
+        >>> x = np.ones((2, 3), "float32")
+        >>> bool(np.array_equal(model.predict(x, verbose=0), converted.predict(x, verbose=0)))
+        True
     """
     if not isinstance(model, (keras.Sequential, Functional)):
         raise ValueError(

@@ -40,21 +40,21 @@ class CountingCrossDeviceOps(tf.distribute.CrossDeviceOps):
 
     Examples:
 
-    >>> import tensorflow as tf, gradaccum
-    >>> cpu = tf.config.list_physical_devices("CPU")[0]
-    >>> try:  # two logical CPUs stand in for two accelerators
-    ...     tf.config.set_logical_device_configuration(
-    ...         cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-    ... except RuntimeError:
-    ...     pass  # TensorFlow has started: keep its devices
-    >>> ops = gradaccum.CountingCrossDeviceOps()
-    >>> strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=ops)
-    >>> with strategy.scope():
-    ...     v = tf.Variable(tf.zeros(4), synchronization=tf.VariableSynchronization.ON_READ,
-    ...                     aggregation=tf.VariableAggregation.SUM)
-    >>> total = strategy.extended.batch_reduce_to("SUM", [(v, v)])
-    >>> int(ops.reductions), int(ops.tensors), int(ops.bytes)
-    (1, 1, 16)
+        >>> import tensorflow as tf, gradaccum
+        >>> cpu = tf.config.list_physical_devices("CPU")[0]
+        >>> try:  # two logical CPUs stand in for two accelerators
+        ...     tf.config.set_logical_device_configuration(
+        ...         cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+        ... except RuntimeError:
+        ...     pass  # TensorFlow has started: keep its devices
+        >>> ops = gradaccum.CountingCrossDeviceOps()
+        >>> strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=ops)
+        >>> with strategy.scope():
+        ...     v = tf.Variable(tf.zeros(4), synchronization=tf.VariableSynchronization.ON_READ,
+        ...                     aggregation=tf.VariableAggregation.SUM)
+        >>> total = strategy.extended.batch_reduce_to("SUM", [(v, v)])
+        >>> int(ops.reductions), int(ops.tensors), int(ops.bytes)
+        (1, 1, 16)
     """
 
     def __init__(self, inner=None):

@@ -88,22 +88,22 @@ class GradientAccumulator:
 
     Examples:
 
-    >>> import os; os.environ["KERAS_BACKEND"] = "torch"
-    >>> import keras, torch, numpy as np, gradaccum
-    >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
-    >>> optimizer = keras.optimizers.SGD(0.1)
-    >>> acc = gradaccum.GradientAccumulator(model.trainable_variables, steps=2)
-    >>> x, y = torch.ones((12, 3)), torch.zeros((12, 1))
-    >>> for start in (0, 4, 8):  # micro-batches of 4, 4 and 4
-    ...     loss = keras.ops.mean((model(x[start:start + 4]) - y[start:start + 4]) ** 2)
-    ...     model.zero_grad()
-    ...     loss.backward()
-    ...     grads = [v.value.grad for v in model.trainable_weights]
-    ...     applied = acc.step(optimizer, grads, weight=4)
-    >>> bool(acc.apply(optimizer))  # the partial window of 1 at the end of the data
-    True
-    >>> int(acc.updates.numpy()), int(acc.micro_step.numpy())
-    (2, 0)
+        >>> import os; os.environ["KERAS_BACKEND"] = "torch"
+        >>> import keras, torch, numpy as np, gradaccum
+        >>> model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        >>> optimizer = keras.optimizers.SGD(0.1)
+        >>> acc = gradaccum.GradientAccumulator(model.trainable_variables, steps=2)
+        >>> x, y = torch.ones((12, 3)), torch.zeros((12, 1))
+        >>> for start in (0, 4, 8):  # micro-batches of 4, 4 and 4
+        ...     loss = keras.ops.mean((model(x[start:start + 4]) - y[start:start + 4]) ** 2)
+        ...     model.zero_grad()
+        ...     loss.backward()
+        ...     grads = [v.value.grad for v in model.trainable_weights]
+        ...     applied = acc.step(optimizer, grads, weight=4)
+        >>> bool(acc.apply(optimizer))  # the partial window of 1 at the end of the data
+        True
+        >>> int(acc.updates.numpy()), int(acc.micro_step.numpy())
+        (2, 0)
     """
 
     def __init__(self, variables, *, steps=None, weight_per_update=None, reduction="mean",
