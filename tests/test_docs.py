@@ -53,3 +53,12 @@ def test_the_docs_have_blocks_for_every_backend():
     assert len(documented_blocks("torch")) >= 2
     # The README's own quick start is one of them.
     assert any(label.startswith("README.md") for label, _ in BLOCKS)
+
+
+def test_the_sites_contract_is_the_shared_one():
+    # docs/SEMANTICS.md is the site's copy of the project's shared contract.
+    shared = ROOT.parent / "shared" / "SEMANTICS.md"
+    if not shared.exists():
+        pytest.skip("no ../shared beside this checkout")
+    assert (ROOT / "docs" / "SEMANTICS.md").read_text() == shared.read_text(), (
+        "docs/SEMANTICS.md is not ../shared/SEMANTICS.md: copy it again")
