@@ -88,3 +88,52 @@ def own_loss(seed=0):
     rng = np.random.default_rng(seed)
     model.set_weights([rng.normal(0, 0.5, w.shape).astype(w.dtype) for w in model.get_weights()])
     return model
+
+
+class KerasIoStep(keras.Model):
+    """A model with its own `train_step` in keras.io's pattern for the process's
+    backend: forward, `compute_loss`, the loss scaled as Keras's default step scales
+    it (`optimizer.scale_loss`: unchanged without loss scaling), backward, one
+    `optimizer.apply`. Subclasses give `call`."""
+
+    def train_step(self, *args):
+        backend = keras.backend.backend()
+        if backend == "jax":
+            return self._jax_step(*args)
+        x, y = args[0]
+        if backend == "torch":
+            import torch
+
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+            self.zero_grad()
+            self.optimizer.scale_loss(loss).backward()
+            grads = [v.value.grad for v in self.trainable_weights]
+            with torch.no_grad():
+                self.optimizer.apply(grads, self.trainable_weights)
+        else:
+            import tensorflow as tf
+
+            with tf.GradientTape() as tape:
+                loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+                scaled = self.optimizer.scale_loss(loss)
+            grads = tape.gradient(scaled, self.trainable_variables)
+            self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return {}
+
+    def _jax_step(self, state, data):
+        import jax
+
+        trainable, non_trainable, optimizer_variables, metrics_variables = state
+        x, y = data
+
+        def objective(trainable):
+            y_pred, _ = self.stateless_call(trainable, non_trainable, x, training=True)
+            loss = self.compute_loss(x, y, y_pred)
+            with keras.StatelessScope(state_mapping=list(zip(
+                    self.optimizer.variables, optimizer_variables))):
+                return self.optimizer.scale_loss(loss)
+
+        grads = jax.grad(objective)(trainable)
+        trainable, optimizer_variables = self.optimizer.stateless_apply(
+            optimizer_variables, grads, trainable)
+        return {}, (trainable, non_trainable, optimizer_variables, metrics_variables)

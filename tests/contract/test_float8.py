@@ -13,6 +13,7 @@ import warnings
 import keras
 import numpy as np
 import pytest
+from largebatch import KerasIoStep
 
 import gradaccum
 
@@ -181,7 +182,7 @@ def test_keras_own_accumulation_is_not_the_large_batch_on_float8():
 # A model's own train_step ---------------------------------------------------------------------
 
 
-class OwnStep(keras.Model):
+class OwnStep(KerasIoStep):
     """The float8 block with its own train_step in keras.io's pattern for its
     backend."""
 
@@ -191,43 +192,6 @@ class OwnStep(keras.Model):
 
     def call(self, x, training=False):
         return self.inner(x, training=training)
-
-    def train_step(self, *args):
-        if BACKEND == "jax":
-            return self._jax_step(*args)
-        x, y = args[0]
-        if BACKEND == "torch":
-            import torch
-
-            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
-            self.zero_grad()
-            loss.backward()
-            grads = [v.value.grad for v in self.trainable_weights]
-            with torch.no_grad():
-                self.optimizer.apply(grads, self.trainable_weights)
-        else:
-            import tensorflow as tf
-
-            with tf.GradientTape() as tape:
-                loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
-            grads = tape.gradient(loss, self.trainable_variables)
-            self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
-        return {}
-
-    def _jax_step(self, state, data):
-        import jax
-
-        trainable, non_trainable, optimizer_variables, metrics_variables = state
-        x, y = data
-
-        def objective(trainable):
-            y_pred, _ = self.stateless_call(trainable, non_trainable, x, training=True)
-            return self.compute_loss(x, y, y_pred)
-
-        grads = jax.grad(objective)(trainable)
-        trainable, optimizer_variables = self.optimizer.stateless_apply(
-            optimizer_variables, grads, trainable)
-        return {}, (trainable, non_trainable, optimizer_variables, metrics_variables)
 
 
 def test_an_own_train_step_is_warned_naming_the_output_gradient_variables():

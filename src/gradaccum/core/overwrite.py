@@ -60,6 +60,13 @@ def values(gradients, overwrites) -> list:
     return [g if flag else None for g, flag in zip(gradients, overwrites, strict=False)]
 
 
+def kinds(variables) -> tuple:
+    """`(flags, measured)` of `variables` for a window record (`Record.overwrites`,
+    `Record.measured`): both empty where no variable is overwritten."""
+    found = flags(variables)
+    return (found, measured(variables)) if any(found) else ((), ())
+
+
 def measured(variables) -> tuple:
     """Whether each variable is a float8 layer's output-gradient amax history, whose
     newest entry (index 0, where Keras's `compute_float8_amax_history` writes it)

@@ -297,6 +297,19 @@ def loss_unit(policy: Policy, record, weight, replicas: int = 1, length=None, fi
     return expected * float(replicas)
 
 
+def loss_factor(policy: Policy, record, weight, *, weighted: bool, direct: bool = False,
+                **unit_options):
+    """`(factor, unit)`: what a step multiplies the micro-batch's loss by before it
+    differentiates it (None: nothing), and the `loss_unit` it divided by (None where
+    it did not: `micro_batch`'s `unit`). With `overwrite_with_gradient` variables
+    `w_i / E`; else `w_i` where the step weighs its loss (`weighted`). A window of one
+    micro-batch (`direct`) takes its loss as it is. `unit_options`: `loss_unit`'s."""
+    unit = None if direct else loss_unit(policy, record, weight, **unit_options)
+    if unit is not None:
+        return ops.cast(weight, "float32") / unit, unit
+    return (weight if weighted else None), None
+
+
 def weigh(policy: Policy, x, y, sample_weight, normalizers, record, *, warn=True):
     """`w_i` of a micro-batch: 1 (uniform), the user's callable (a value below 0 or
     nan is an error, and counts as 0), the compiled loss's normalizer (exact), else the

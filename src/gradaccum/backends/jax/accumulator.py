@@ -307,5 +307,4 @@ class _Owner(LossScaling):
     def __init__(self, accumulator: GradientAccumulator, optimizer):
         super().__init__(optimizer)
         self.variable_dtypes = [v.dtype for v in accumulator.target_variables]
-        self.overwrites = overwrite.flags(accumulator.target_variables)
-        self.measured = overwrite.measured(accumulator.target_variables)
+        self.overwrites, self.measured = overwrite.kinds(accumulator.target_variables)

@@ -124,10 +124,10 @@ class WindowRecord(FitRecord):
         self.applier = applier
         self.prefix = prefix
         self.slots = applier.variable_slots
-        flags = getattr(step, "overwrites", ())
-        self.overwrites = tuple(flags[i] for i in self.slots) if any(flags) else ()
-        measured = getattr(step, "measured", ())
-        self.measured = tuple(measured[i] for i in self.slots) if any(flags) else ()
+        flags, measured = getattr(step, "overwrites", ()), getattr(step, "measured", ())
+        if flags and any(flags[i] for i in self.slots):
+            self.overwrites = tuple(flags[i] for i in self.slots)
+            self.measured = tuple(measured[i] for i in self.slots)
         # `fit` raises a recorded error after the call, and nothing trains until
         # then; a custom loop's step goes on (`GradientAccumulator.check`).
         self.gates_errors = getattr(step, "gates_errors", True)

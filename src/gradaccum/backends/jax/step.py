@@ -88,8 +88,7 @@ class TrainStep:
         self.appliers = {0: Applier.whole(optimizer, len(model.trainable_variables))}
         self.appliers_known = own_step is None
         self.variable_dtypes = [v.dtype for v in model.trainable_variables]
-        self.overwrites = overwrite.flags(model.trainable_variables)
-        self.measured = overwrite.measured(model.trainable_variables)
+        self.overwrites, self.measured = overwrite.kinds(model.trainable_variables)
         # A LossScaleOptimizer: where its step counter, scale and inner optimizer's
         # variables sit among its variables.
         scaling = LossScaling(optimizer)
@@ -216,13 +215,10 @@ class TrainStep:
                 weight = tr.weigh(policy, x, y, sample_weight, normalizers, record,
                                   warn=self._warn_once())
             weight = jax.lax.stop_gradient(weight)
-            unit = (None if self.direct
-                    else tr.loss_unit(policy, record, weight, length=length,
-                                      fit=FitRecord(carry)))
-            if unit is not None:
-                value = loss * (weight / unit).astype(loss.dtype)
-            else:
-                value = loss * weight.astype(loss.dtype) if weighted else loss
+            factor, unit = tr.loss_factor(policy, record, weight, weighted=weighted,
+                                          direct=self.direct, length=length,
+                                          fit=FitRecord(carry))
+            value = loss if factor is None else loss * factor.astype(loss.dtype)
             return value, (aux, weight, normalizers, unit)
 
         with self.follower.observing():

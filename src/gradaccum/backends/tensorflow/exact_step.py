@@ -83,15 +83,14 @@ def micro_batch(accumulation, x, y, sample_weight, single=False, end=None, close
         # The replica's own loss (Keras's divided by the replica count).
         replica_loss = kc.unscale_loss_for_distribution(loss)
         objective = replica_loss if mean else loss
-        # With float8 layers, the loss the large batch differentiates (the
-        # gradient float8 measures and quantizes is the large batch's).
-        unit = None if single else tr.loss_unit(
-            policy, record, weight, length=length, fit=accumulation.fit_record(),
+        # (With float8 layers, the loss the large batch differentiates: the gradient
+        # float8 measures and quantizes is the large batch's.)
+        factor, unit = tr.loss_factor(
+            policy, record, weight, weighted=weigh_loss, direct=single, length=length,
+            fit=accumulation.fit_record(),
             replicas=tf.distribute.get_strategy().num_replicas_in_sync)
-        if unit is not None:
-            objective = objective * tf.cast(weight / unit, loss.dtype)
-        elif weigh_loss:
-            objective = objective * tf.cast(weight, loss.dtype)
+        if factor is not None:
+            objective = objective * tf.cast(factor, loss.dtype)
         # Loss scaling (a LossScaleOptimizer's dynamic scale, or an optimizer's
         # static `loss_scale_factor`), as Keras's own train step does.
         objective = host.optimizer.scale_loss(objective)

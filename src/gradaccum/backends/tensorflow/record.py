@@ -102,9 +102,7 @@ class VariableRecord(ModuleRecord):
         self.accumulator = accumulator
         self.optimizer = optimizer
         self.direct = direct
-        flags = overwrite.flags(accumulator.target_variables)
-        self.overwrites = flags if any(flags) else ()
-        self.measured = overwrite.measured(accumulator.target_variables) if any(flags) else ()
+        self.overwrites, self.measured = overwrite.kinds(accumulator.target_variables)
 
     # Primitives ---------------------------------------------------------------------
 

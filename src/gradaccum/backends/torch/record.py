@@ -159,9 +159,7 @@ class WindowRecord(FieldRecord):
                         else optimizer if kc.is_loss_scale_optimizer(optimizer) else None)
         self.targets = list(variables)
         self.slots = list(slots)
-        flags = overwrite.flags(self.targets)
-        self.overwrites = flags if any(flags) else ()
-        self.measured = overwrite.measured(self.targets) if any(flags) else ()
+        self.overwrites, self.measured = overwrite.kinds(self.targets)
         self.noise = noise
         self.reduce = reduce
         self.outcome = None

@@ -55,7 +55,7 @@ apply_now = eager(tr.apply_now)
 drop = eager(tr.drop)
 track_terms = eager(tr.track_terms)
 weigh = eager(tr.weigh)
-loss_unit = eager(tr.loss_unit)
+loss_factor = eager(tr.loss_factor)
 
 
 class ForwardState:
@@ -258,15 +258,11 @@ class TrainStep:
         # Under loss scaling the weight comes with the unscaling instead, so the
         # scaled loss is the one Keras scales (no extra overflows).
         weighted = policy.mean and not self.loss_scaled and not self.direct
-        # With float8 layers, the loss the large batch differentiates (the gradient
-        # float8 measures and quantizes is the large batch's).
-        unit = None if self.direct else loss_unit(policy, record, weight, length=length,
-                                                  fit=self.fit_record())
-        if unit is not None:
-            unit = tensor(unit).detach().float()
-            objective = loss * (weight / unit).to(loss.dtype)
-        else:
-            objective = loss * weight.to(loss.dtype) if weighted else loss
+        # (With float8 layers, the loss the large batch differentiates: the gradient
+        # float8 measures and quantizes is the large batch's.)
+        factor, unit = loss_factor(policy, record, weight, weighted=weighted,
+                                   direct=self.direct, length=length, fit=self.fit_record())
+        objective = loss if factor is None else loss * tensor(factor).detach().to(loss.dtype)
         # Loss scaling (a LossScaleOptimizer's dynamic scale, or an optimizer's
         # static `loss_scale_factor`, which `apply` divides back out), as Keras's own
         # train step does.
