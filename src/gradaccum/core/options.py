@@ -107,8 +107,16 @@ def given(arguments: dict) -> dict:
 
 def documented(function):
     """Fills the `{options}` line of `function`'s docstring with the options'
-    `Args:` entries, at its indentation; returns `function`."""
-    lines = function.__doc__.splitlines()
+    `Args:` entries (`filled`); returns `function`."""
+    function.__doc__ = filled(function.__doc__)
+    return function
+
+
+def filled(docstring: str) -> str:
+    """`docstring` with its `{options}` line replaced by the options' `Args:`
+    entries, at that line's indentation. The API page's griffe extension
+    (docs/griffe_options.py) calls it on the source's docstrings."""
+    lines = docstring.splitlines()
     index = next(i for i, line in enumerate(lines) if line.strip() == "{options}")
     indent = lines[index][: len(lines[index]) - len(lines[index].lstrip())]
     entries = []
@@ -117,8 +125,7 @@ def documented(function):
         body = textwrap.wrap(f"{option.name}: {text}", width=88 - len(indent),
                              subsequent_indent="    ", break_on_hyphens=False)
         entries += [indent + line for line in body]
-    function.__doc__ = "\n".join(lines[:index] + entries + lines[index + 1:])
-    return function
+    return "\n".join(lines[:index] + entries + lines[index + 1:])
 
 
 def check_signature(function, *, skip=1) -> None:
