@@ -631,6 +631,8 @@ SLOW = [
     # built site (mkdocs imports gradaccum and TensorFlow to read the docstrings).
     "test_package.py",
     "test_site.py",
+    # Issue 54: compilations per epoch (JAX; two fits of 4 epochs).
+    "contract/test_host_reads.py::test_a_fit_whose_data_ends_each_epoch_compiles_nothing_after_its_first",
 ]
 
 HUB = [

@@ -95,3 +95,43 @@ def test_the_fits_thread_reads_no_more_per_epoch_with_more_micro_batches(monkeyp
         reads.append(counts.get(threading.get_ident(), 0))
     assert reads[0] == reads[1]
     assert int(model.optimizer.iterations) == 4 + 4 + 16
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="counts JAX's compilations")
+def test_a_fit_whose_data_ends_each_epoch_compiles_nothing_after_its_first():
+    # A tf.data pipeline of unknown length: each epoch ends on the data's end, where
+    # the open window (2 of 5 micro-batches) is flushed outside the step. Plain fit
+    # compiles nothing after its first epoch; the flush's close is compiled once too.
+    import jax
+    import tensorflow as tf
+
+    compiled = []
+
+    def listen(event, duration, **kwargs):
+        if "backend_compile" in event:
+            compiled.append(event)
+
+    class PerEpoch(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.counts = []
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.start = len(compiled)
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.counts.append(len(compiled) - self.start)
+
+    x, y = data(40)
+    unknown = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).filter(lambda a, b: True)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        for accumulating in (False, True):
+            epochs = PerEpoch()
+            model = _model(accumulating)
+            model.fit(unknown, epochs=4, verbose=0, callbacks=[epochs])
+            assert epochs.counts[0] > 0 and epochs.counts[1:] == [0, 0, 0], (accumulating,
+                                                                             epochs.counts)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert int(model.optimizer.iterations) == 4 * 2  # windows of 3: one full, one flushed

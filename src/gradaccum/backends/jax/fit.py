@@ -95,6 +95,9 @@ class Accumulation(adapter.Accumulation):
         # Whether a compiled call's logs showed the step's error flag (raised in
         # the fit's thread).
         self._pending_error = None
+        # close_eagerly's jitted closes, for the step they were made for (a fit
+        # whose data ends each epoch compiles them once, not once per epoch).
+        self._closers: tuple = (None, {})
 
     def detach(self) -> None:
         """`disable`: the model tracks the state no more."""
@@ -278,27 +281,15 @@ class Accumulation(adapter.Accumulation):
     def _close_record(self, index, applier, apply: bool) -> bool | None:
         """`close_eagerly` for window record `index` (one jitted call): whether it
         applied an update (None: its window was empty)."""
-        step = self.step
         model = self.host
         optimizer = applier.optimizer
-        renumbered = applier.renumbered(0)
         ours = self.state.carried()
         window = self.state.unpack({name: v.value for name, v in ours.items()})
         prefix = window_prefix(index)
         if int(window[prefix + "micro_step"]) + int(window[prefix + "window_skipped"]) == 0:
             return None
 
-        def close(trainable, optimizer_variables, window):
-            carry = Carry(trainable, [], optimizer_variables, [], window)
-            record = step.record(carry, index, renumbered)
-            if apply:
-                applied = tr.apply_now(self.policy, record, True, fit=FitRecord(carry))
-            else:
-                tr.drop(record)
-                applied = jnp.asarray(False)
-            return carry.trainable, carry.optimizer, carry.ours, applied
-
-        trainable, optimizer_variables, window, applied = jax.jit(close)(
+        trainable, optimizer_variables, window, applied = self._closer(index, applier, apply)(
             [v.value for v in model.trainable_variables],
             [v.value for v in optimizer.variables], window,
         )
@@ -309,6 +300,30 @@ class Accumulation(adapter.Accumulation):
         for name, value in self.state.pack(window).items():
             ours[name].assign(value)
         return bool(applied)
+
+    def _closer(self, index, applier, apply: bool):
+        """The jitted close of window record `index` (applied or dropped), made once
+        per step."""
+        step = self.step
+        made_for, closers = self._closers
+        if made_for is not step:
+            closers = {}
+            self._closers = (step, closers)
+        if (index, apply) not in closers:
+            renumbered = applier.renumbered(0)
+
+            def close(trainable, optimizer_variables, window):
+                carry = Carry(trainable, [], optimizer_variables, [], window)
+                record = step.record(carry, index, renumbered)
+                if apply:
+                    applied = tr.apply_now(self.policy, record, True, fit=FitRecord(carry))
+                else:
+                    tr.drop(record)
+                    applied = jnp.asarray(False)
+                return carry.trainable, carry.optimizer, carry.ours, applied
+
+            closers[index, apply] = jax.jit(close)
+        return closers[index, apply]
 
     def after_train_on_batch(self, logs):
         """`train_on_batch`: its logs without the step's error entry, and the error
