@@ -1,12 +1,16 @@
-"""The site's performance figures, drawn from the benchmarks' JSON record
-(`benchmarks/results.json`, written by `benchmarks/run.py --write`).
+"""The site's performance figures, drawn from the benchmarks' JSON records
+(`benchmarks/results.json`, written by `benchmarks/run.py --write`, and
+`benchmarks/gpu-h200.jsonl`, the lines `benchmarks/gpu_suite.sh` wrote on an NVIDIA
+H200).
 
     python scripts/figures.py [OUT_DIR]     (default: docs/figures)
 
 Writes `throughput.png` (per workload and micro-batch size b: samples per second of
 gradaccum's `accumulate` and of Keras's `gradient_accumulation_steps`, each over plain
 `fit` at b, against the window length k) and `memory.png` (peak memory against the
-effective batch: plain `fit` at that batch, and gradaccum at b = 32). The mkdocs
+effective batch: plain `fit` at that batch, and gradaccum at b = 32) and `gpu.png`
+(the GPU cell per backend and precision: samples per second of Keras's built-in and
+of `accumulate` over plain `fit`, and peak device memory). The mkdocs
 hook (`docs/hooks.py`) runs it before each build.
 """
 
@@ -18,6 +22,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results.json"
+GPU = ROOT / "benchmarks" / "gpu-h200.jsonl"
 
 
 def throughput(cells, out: pathlib.Path) -> None:
@@ -25,7 +30,7 @@ def throughput(cells, out: pathlib.Path) -> None:
 
     workloads = sorted({c["workload"] for c in cells})
     sizes = sorted({c["b"] for c in cells})
-    fig, axes = plt.subplots(1, len(workloads), figsize=(4 * len(workloads), 3.4),
+    fig, axes = plt.subplots(1, len(workloads), figsize=(4 * len(workloads), 3.8),
                              sharey=True)
     for ax, workload in zip(axes, workloads):
         for b, color in zip(sizes, ("tab:blue", "tab:orange", "tab:green")):
@@ -41,10 +46,12 @@ def throughput(cells, out: pathlib.Path) -> None:
         ax.set_title(workload)
         ax.set_xlabel("window length k (micro-batches per update)")
     axes[0].set_ylabel("samples/s over plain fit at b")
-    axes[-1].legend(fontsize=7)
+    handles, labels = axes[-1].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=len(sizes) * 2,
+               frameon=False)
     fig.suptitle("Throughput against plain fit at the micro-batch size (TensorFlow, CPU)",
                  fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(out / "throughput.png", dpi=110)
     plt.close(fig)
 
@@ -68,6 +75,59 @@ def memory(rows, out: pathlib.Path) -> None:
     plt.close(fig)
 
 
+def gpu(rows, out: pathlib.Path) -> None:
+    """The GPU cell: per run of this checkout's gradaccum (a run of an older source,
+    kept in the record for comparison, is left out), each contender's samples per
+    second over plain fit's (the median of per-repeat ratios, min-max as bars), and
+    the peak device memory of plain fit at b, accumulate and plain fit at k x b."""
+    import matplotlib.pyplot as plt
+
+    configs = {r["run"]: r for r in rows if r["kind"] == "config"}
+    current = {run for run, c in configs.items()
+               if "/.old/" not in c["environment"]["gradaccum"]}
+    cells = []
+    for run in sorted(current, key=lambda r: (configs[r]["backend"], configs[r]["precision"])):
+        ratios = {r["ratio"]: r for r in rows if r["kind"] == "ratio" and r["run"] == run}
+        if configs[run]["mode"] == "throughput" and "accumulate/plain" in ratios:
+            cells.append((configs[run], ratios))
+    memory_rows = [r for r in rows if r["kind"] == "memory" and r["run"] in current]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6),
+                                      gridspec_kw={"width_ratios": [3, 2]})
+    width = 0.38
+    for offset, (name, color) in enumerate((("builtin/plain", "tab:gray"),
+                                            ("accumulate/plain", "tab:blue"))):
+        xs, ys, low, high = [], [], [], []
+        for i, (_, ratios) in enumerate(cells):
+            if name in ratios:
+                r = ratios[name]
+                xs.append(i + (offset - 0.5) * width)
+                ys.append(r["median"])
+                low.append(r["median"] - r["min"])
+                high.append(r["max"] - r["median"])
+        label = "Keras built-in" if name.startswith("builtin") else "gradaccum accumulate"
+        left.bar(xs, ys, width, yerr=[low, high], color=color, label=label, capsize=3)
+    left.axhline(1.0, color="black", linewidth=0.8)
+    left.set_xticks(range(len(cells)))
+    left.set_xticklabels([f"{c['backend']}, {c['precision']}" for c, _ in cells], fontsize=8)
+    left.set_ylim(0.8, 1.1)
+    left.set_ylabel("samples/s over plain fit at b")
+    left.legend(fontsize=8, loc="lower right")
+    left.set_title("GPT-2 124M, b = 8, k = 4, sequence 512", fontsize=9)
+    names = {"plain": "plain fit\nb = 8", "accumulate": "accumulate\nb = 8, k = 4",
+             "plain_kb": "plain fit\nb = 32"}
+    right.bar([names[r["contender"]] for r in memory_rows],
+              [r["device_peak_mib"] for r in memory_rows],
+              color=["tab:gray", "tab:blue", "tab:orange"][:len(memory_rows)])
+    right.set_ylabel("peak device memory (MiB)")
+    right.tick_params(axis="x", labelsize=8)
+    right.set_title("Peak memory (JAX, float32)", fontsize=9)
+    device = next(iter(configs.values()))["environment"]["device"]["name"].split(" ", 1)[1]
+    fig.suptitle(f"On the GPU ({device})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out / "gpu.png", dpi=110)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     import matplotlib
 
@@ -78,6 +138,7 @@ def main(argv=None) -> int:
     record = json.loads(RESULTS.read_text())
     throughput(record["throughput"], out)
     memory(record["memory"], out)
+    gpu([json.loads(line) for line in GPU.read_text().splitlines() if line.strip()], out)
     return 0
 
 

@@ -117,11 +117,12 @@ def test_the_api_reference_holds_every_public_name_and_no_private_module(site):
 
 
 def test_the_performance_page_shows_the_figures_drawn_from_the_record(site):
-    for name in ("throughput.png", "memory.png"):
+    for name in ("throughput.png", "memory.png", "gpu.png"):
         figure = site / "figures" / name
         assert figure.exists() and figure.stat().st_size > 10_000, name
     text = (site / "performance" / "index.html").read_text()
-    assert "figures/throughput.png" in text and "figures/memory.png" in text
+    for name in ("throughput", "memory", "gpu"):
+        assert f"figures/{name}.png" in text, name
 
 
 def _browser():
