@@ -478,16 +478,16 @@ def test_train_short_run_output_format_and_json(capsys, small_npz, tmp_path):
 
 
 def test_train_with_privacy_reports_epsilon(capsys, small_npz, tmp_path):
-    """--dp-clip/--dp-noise: DP-SGD, each run's epsilon (dp-accounting's for 40
+    """--dp-clip/--dp-noise: DP-SGD, each run's epsilon (dp-accounting's for 20
     updates at q = 30/600), the same for every run; without --dp-seed the noise is
     fresh, with it the runs repeat."""
     argv = ["train", "--data", str(small_npz), "--average-gradients", "3", "--batch-size",
-            "10", "--iterations", "120", "--runs", "2", "--seed", "3", "--dp-clip", "1.0",
+            "10", "--iterations", "60", "--runs", "2", "--seed", "3", "--dp-clip", "1.0",
             "--dp-noise", "1.1", "--json", str(tmp_path / "r.json")]
     code, lines, _ = run_cli(capsys, *argv)
     assert code == 0
     assert lines[1].endswith("DP-SGD: clip 1, noise multiplier 1.1; TensorFlow, 1 process")
-    expected = core_privacy.epsilon(1.1, 30 / 600, 40, 1e-5)
+    expected = core_privacy.epsilon(1.1, 30 / 600, 20, 1e-5)
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["epsilon"] == pytest.approx(expected) and result["delta"] == 1e-5
     assert lines[-1].endswith(

@@ -60,7 +60,7 @@ def reference_gradient(model, x, y, window, reduction, weighting):
     return [t / len(window) for t in total]
 
 
-@settings(max_examples=min(10, settings().max_examples), **SETTINGS)
+@settings(max_examples=min(6, settings().max_examples), **SETTINGS)
 @given(
     sizes=st.lists(st.integers(1, 33), min_size=1, max_size=9),
     steps=st.integers(1, 8),
@@ -106,7 +106,7 @@ def test_accumulator_equals_the_large_batch(sizes, steps, partial, reduction, we
             np.testing.assert_allclose(a.numpy(), b, rtol=2e-5, atol=2e-6)
 
 
-@settings(max_examples=min(8, settings().max_examples), **SETTINGS)
+@settings(max_examples=min(5, settings().max_examples), **SETTINGS)
 @given(
     n=st.integers(1, 40),
     batch_size=st.integers(1, 33),

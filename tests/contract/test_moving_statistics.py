@@ -188,9 +188,10 @@ def test_every_layer_equals_its_inputs_statistics_pooled_by_hand(momentum):
     _check_against_hand_pooling(model, x, y, [8] * 7 + [4], ["bn", "bn2"])
 
 
-@pytest.mark.skipif(keras.backend.backend() == "jax", reason=(
-    "the suite's time budget: JAX takes 105 s to compile ResNet50's micro-batches and "
-    "its hand pooling; a real ResNet follows the window on JAX in "
+@pytest.mark.skipif(keras.backend.backend() != "torch", reason=(
+    "the suite's time budget: measured on PyTorch (13 s) where JAX takes 105 s to "
+    "compile ResNet50's micro-batches and their hand pooling and TensorFlow 40 s; a real "
+    "ResNet follows the window on every backend in "
     "test_a_keras_hub_resnet_image_classifier_follows_the_window"))
 def test_keras_applications_resnet50_follows_the_window():
     rng = np.random.default_rng(0)
