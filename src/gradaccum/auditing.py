@@ -189,7 +189,7 @@ def audit(model, x, y=None, *, steps, batch_size, sample_weight=None,
         with _scope(model):
             optimizer.build(model.trainable_variables)
     saved = added_losses.Snapshot(model)
-    findings = {}
+    findings: dict = {}
     try:
         # Windows that never close: nothing is applied. The large batch is one
         # micro-batch of a window of 2, the micro-batches `len(bounds)` of one of
@@ -213,7 +213,8 @@ def audit(model, x, y=None, *, steps, batch_size, sample_weight=None,
     pairs = []
     for variable in model.trainable_variables:
         a, b = large.get(id(variable)), accumulated.get(id(variable))
-        if a is None and b is None or not np.size(a if a is not None else b):
+        either = a if a is not None else b
+        if either is None or not np.size(either):
             continue
         zeros = np.zeros(variable.shape, "float64")
         pairs.append((variable.path, zeros if a is None else a.astype("float64"),
@@ -333,7 +334,7 @@ def _window_gradients(model, micro_batches, options, findings) -> dict:
                 model.fit(x, y, sample_weight=sample_weight, batch_size=samples,
                           epochs=1, shuffle=False, verbose=0)
         accumulation = accumulation_of(model)
-        gradients = {}
+        gradients: dict = {}
         for variable, gradient in accumulation.window_gradients():
             if gradient is not None:
                 # A variable two accumulators hold (an optimizer applied to lists

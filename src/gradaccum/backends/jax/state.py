@@ -35,7 +35,7 @@ class Packed:
         channels = channels or {}
         self.fields = tuple(name for name, _ in declared)
         self.places = {}
-        initial = {"counts": [], "weights": []}
+        initial: dict[str, list] = {"counts": [], "weights": []}
         for name, field in declared:
             vector = ("weights" if field.kind in ("weight", "ratios", "per_variable",
                                                   "per_channel")
