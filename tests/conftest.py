@@ -26,6 +26,8 @@ sys.path.insert(0, str(TESTS / "contract"))
 collect_ignore = [name for name, backend in (("jax_backend", "jax"),
                                              ("torch_backend", "torch"))
                   if keras.backend.backend() != backend]
+# tests/typing is for the type checker (tests/test_types.py): read, never run.
+collect_ignore.append("typing")
 
 OPTIMIZERS = {
     "sgd": lambda: keras.optimizers.SGD(0.1),

@@ -633,6 +633,9 @@ SLOW = [
     "test_site.py",
     # Issue 54: compilations per epoch (JAX; two fits of 4 epochs).
     "contract/test_host_reads.py::test_a_fit_whose_data_ends_each_epoch_compiles_nothing_after_its_first",
+    # Issue 56: the type checker (mypy, about 30 s per run: the package, then the public
+    # API strictly; each from a cold cache).
+    "test_types.py",
 ]
 
 HUB = [

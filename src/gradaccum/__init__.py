@@ -11,13 +11,13 @@ command line checks its arguments without waiting for it.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gradaccum import _backend
 
 __version__ = "0.1.0"
 
-_EXPORTS = {
+_EXPORTS: dict[str, str | dict[str, str]] = {
     # One per backend (Keras's decides).
     "GradientAccumulator": {
         "tensorflow": "gradaccum.backends.tensorflow.accumulator",
@@ -70,7 +70,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from gradaccum.privacy import privacy_spent
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         # Before the module: without TensorFlow, importing it (or Keras, whose default
         # backend is TensorFlow) fails with an error that does not say what to install;
@@ -86,5 +86,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'gradaccum' has no attribute {name!r}")
 
 
-def __dir__():
+def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))

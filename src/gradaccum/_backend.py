@@ -55,7 +55,7 @@ def require_supported_backend(name: str | None = None) -> str:
         )
     if backend == "tensorflow":
         _tf.require_tensorflow()
-    where = ONLY_ON.get(name)
+    where = None if name is None else ONLY_ON.get(name)
     if where is not None and backend not in where:
         runs = " or ".join(NAMES[b] for b in where)
         raise ImportError(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from typing import Any
 
 import keras
 from keras.src.backend.common.masking import get_keras_mask  # noqa: F401 (re-exported)
@@ -156,7 +157,7 @@ def named_optimizers(model) -> list:
             candidates += [(f"{name}[{key!r}]", item) for key, item in value.items()]
         elif isinstance(value, (list, tuple)):
             candidates += [(f"{name}[{index}]", item) for index, item in enumerate(value)]
-    found = []
+    found: list[tuple[str, Any]] = []
     for name, optimizer in candidates:
         if is_optimizer(optimizer) and all(optimizer is not other for _, other in found):
             found.append((name, optimizer))

@@ -250,10 +250,10 @@ def check_weight_value(weight) -> None:
             "`weight` must be a scalar. "
             f"Received: weight with shape {tuple(value.shape)}"
         )
-    value = float(value.reshape(()))
-    if not math.isfinite(value) or value < 0:
+    number = float(value.reshape(()))
+    if not math.isfinite(number) or number < 0:
         raise ValueError(
-            f"`weight` must be a finite number >= 0. Received: weight={value!r}"
+            f"`weight` must be a finite number >= 0. Received: weight={number!r}"
         )
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import abc
 import warnings
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 from gradaccum import _keras_common as kc
 from gradaccum import added_losses, epochs, saving
@@ -25,6 +25,7 @@ from gradaccum.core import moving_statistics, overwrite
 from gradaccum.core import transitions as tr
 from gradaccum.core.auto_size import AutoSize
 from gradaccum.core.moving_statistics import Follower
+from gradaccum.core.options import Options as CoreOptions
 from gradaccum.core.privacy import check_fit as check_private_fit
 from gradaccum.core.privacy import check_layers as check_private_layers
 from gradaccum.core.privacy import spent
@@ -106,7 +107,7 @@ class Accumulation(abc.ABC):
     """
 
     #: The backend's `Options` (a subclass of `gradaccum.core.options.Options`).
-    Options = None
+    Options: ClassVar[type[CoreOptions] | None] = None
 
     def __init__(self, options, layers):
         self.options = options
@@ -341,7 +342,7 @@ class Accumulation(abc.ABC):
             unbuilt = follows and not self.layers.built
             if unbuilt and not self._follower_unbuilt:
                 moving_statistics.warn_unbuilt(self.layers)
-            followed = []
+            followed: list = []
             if follows and not unbuilt:
                 followed, refused = moving_statistics.find(self.layers)
                 if followed and self.replicas() > 1:

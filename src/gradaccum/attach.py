@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Any
 
 import keras
 
 from gradaccum import _backend, model_file, state_file
 from gradaccum import _keras_common as kc
 from gradaccum._validation import check_optimizer
-from gradaccum.adapter import ATTRIBUTE, accumulation_of
-from gradaccum.core.options import documented, given
+from gradaccum.adapter import ATTRIBUTE, Accumulation, accumulation_of
+from gradaccum.core.options import DType, Nonfinite, Steps, Weighting, documented, given
+from gradaccum.core.privacy import Privacy
 from gradaccum.core.privacy import check_model as check_private_model
 from gradaccum.weighting import record_normalizers
 
@@ -44,20 +46,20 @@ _SIZE = "micro_batch_size"
 
 @documented
 def accumulate(
-    model,
-    steps=None,
+    model: keras.Model,
+    steps: Steps | None = None,
     *,
     micro_batch_size: int | str | None = None,
     max_micro_batch_size: int | None = None,
-    weighting="exact",
+    weighting: Weighting = "exact",
     partial: str = "flush",
     reduction: str = "mean",
-    accumulator_dtype="float32",
-    nonfinite="skip",
+    accumulator_dtype: DType = "float32",
+    nonfinite: Nonfinite = "skip",
     weight_per_update: float | None = None,
     moving_statistics: str = "window",
-    privacy=None,
-):
+    privacy: Privacy | None = None,
+) -> keras.Model:
     """Makes `model`'s own `fit` train with exact gradient accumulation.
 
     Each batch `fit` gives the model's training step is a micro-batch; every
@@ -156,7 +158,7 @@ def accumulate(
     return model
 
 
-def disable(model):
+def disable(model: keras.Model) -> keras.Model:
     """Turns off what `gradaccum.accumulate` turned on: `model` trains as Keras does.
 
     An open window is closed first as `partial` says (`"flush"` applies it,
@@ -214,52 +216,53 @@ def disable(model):
     return model
 
 
-def _install(model, accumulation) -> None:
+def _install(model: keras.Model, accumulation: Accumulation) -> None:
     """Sets the instance attributes that route `model`'s training through
     `accumulation` (bypassing Keras's attribute tracking: they are not state)."""
     cls = type(model)
 
-    def compile(*args, **kwargs):
+    def compile(*args: Any, **kwargs: Any) -> None:
         cls.compile(model, *args, **kwargs)
         _recompile(model, accumulation, user_config=kc.compile_config(model),
                    steps_per_execution_given="steps_per_execution" in kwargs)
 
-    def fit(x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
-            **kwargs):
-        def own_fit(*args, **kw):
+    def fit(x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,
+            verbose: Any = "auto", callbacks: Any = None, **kwargs: Any) -> Any:
+        def own_fit(*args: Any, **kw: Any) -> Any:
             return cls.fit(model, *args, **kw)
 
         return accumulation.fit(own_fit, x, y, batch_size, epochs, verbose, callbacks, kwargs)
 
-    def evaluate(*args, **kwargs):
+    def evaluate(*args: Any, **kwargs: Any) -> Any:
         accumulation.before_evaluate(kwargs)
         with accumulation.evaluating():
             return cls.evaluate(model, *args, **kwargs)
 
-    def predict(*args, **kwargs):
+    def predict(*args: Any, **kwargs: Any) -> Any:
         accumulation.before_predict(args, kwargs)
         return cls.predict(model, *args, **kwargs)
 
-    def train_step(*args):
+    def train_step(*args: Any) -> Any:
         # (data) on TensorFlow, (state, data) on JAX.
         return accumulation.train_step(*args)
 
-    def train_on_batch(*args, **kwargs):
+    def train_on_batch(*args: Any, **kwargs: Any) -> Any:
         return accumulation.after_train_on_batch(cls.train_on_batch(model, *args, **kwargs))
 
-    def make_train_function(force=False):
+    def make_train_function(force: bool = False) -> Any:
         return accumulation.make_train_function(
             lambda force: cls.make_train_function(model, force=force), force
         )
 
-    def save_weights(filepath, overwrite=True, *args, **kwargs):
+    def save_weights(filepath: Any, overwrite: bool = True, *args: Any,
+                     **kwargs: Any) -> None:
         # The weights and the window state as one pair, whatever a kill meets
         # (gradaccum.state_file); Keras's other arguments passed on as given.
         filepath = os.fspath(filepath)
         proceed, sharded = state_file.keras_save(filepath, overwrite, args, kwargs)
         if not proceed:
             return None
-        store = {}
+        store: dict[str, Any] = {}
         accumulation.save_to(store)
         with model_file.carrying(accumulation):
             state_file.save(
@@ -267,7 +270,7 @@ def _install(model, accumulation) -> None:
                 filepath, store, _signature(model, accumulation), sharded=sharded)
         return None
 
-    def load_weights(filepath, *args, **kwargs):
+    def load_weights(filepath: Any, *args: Any, **kwargs: Any) -> Any:
         # The state first: one that does not belong here changes nothing (unless
         # the weights file itself is unreadable: then Keras's OSError, which
         # BackupAndRestore(double_checkpoint=True) answers with its backup).
@@ -283,7 +286,8 @@ def _install(model, accumulation) -> None:
             accumulation.load_from(store)
         return result
 
-    def save(filepath, overwrite=True, zipped=None, **kwargs):
+    def save(filepath: Any, overwrite: bool = True, zipped: bool | None = None,
+             **kwargs: Any) -> Any:
         # Keras's file, with the accumulation state inside (gradaccum.model_file).
         with model_file.carrying(accumulation):
             return model_file.save(
@@ -292,7 +296,7 @@ def _install(model, accumulation) -> None:
                                                  zipped=zipped, **kwargs),
                 filepath, overwrite, zipped, kwargs, _signature(model, accumulation))
 
-    def save_own_variables(store):
+    def save_own_variables(store: Any) -> Any:
         model_file.storing(accumulation)
         return cls.save_own_variables(model, store)
 
@@ -315,7 +319,7 @@ def _install(model, accumulation) -> None:
         model.__dict__[_SIZE] = accumulation.micro_batch_size
 
 
-def _signature(model, accumulation) -> dict:
+def _signature(model: keras.Model, accumulation: Accumulation) -> dict:
     """Which model and window rule a saved window state is for."""
     return {
         # The trainable variables in order, by shape (paths change from one
@@ -329,7 +333,8 @@ def _signature(model, accumulation) -> dict:
     }
 
 
-def _recompile(model, accumulation, *, user_config, steps_per_execution_given):
+def _recompile(model: keras.Model, accumulation: Accumulation, *, user_config: dict | None,
+               steps_per_execution_given: bool) -> None:
     """Compiles `model` again as its own compile did, with the losses recording
     their normalizers and the window as `steps_per_execution`; the model keeps
     the user's compile as the one it saves."""

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Iterable
+from typing import Any
 
 import keras
 import numpy as np
@@ -25,6 +27,7 @@ from gradaccum.adapter import Findings, accumulation_of
 from gradaccum.core import overwrite
 from gradaccum.core import transitions as tr
 from gradaccum.core.moving_statistics import unfollowable_reason, window_aware
+from gradaccum.core.options import Weighting
 from gradaccum.core.screening import skipped_message
 from gradaccum.weighting import uniform_message
 
@@ -59,8 +62,9 @@ class AuditReport:
             one line per float8 layer or other such variable (empty when none).
     """
 
-    def __init__(self, rows, causes, micro_batch_sizes, tolerance=TOLERANCE,
-                 updates_between_calls=False, rules=()):
+    def __init__(self, rows: list[tuple[str, float, float, float]], causes: list[str],
+                 micro_batch_sizes: list[int], tolerance: float = TOLERANCE,
+                 updates_between_calls: bool = False, rules: Iterable[str] = ()) -> None:
         self.rows = rows
         self.causes = causes
         self.rules = list(rules)
@@ -104,8 +108,9 @@ class AuditReport:
         return "\n".join(lines)
 
 
-def audit(model, x, y=None, *, steps, batch_size, sample_weight=None,
-          weighting="exact", reduction="mean") -> AuditReport:
+def audit(model: keras.Model, x: Any, y: Any = None, *, steps: int, batch_size: int,
+          sample_weight: Any = None, weighting: Weighting = "exact",
+          reduction: str = "mean") -> AuditReport:
     """Compares one window's accumulated gradient with the large batch's.
 
     Takes the first `steps * batch_size` samples of the data as one window, and its
@@ -189,7 +194,7 @@ def audit(model, x, y=None, *, steps, batch_size, sample_weight=None,
         with _scope(model):
             optimizer.build(model.trainable_variables)
     saved = added_losses.Snapshot(model)
-    findings = {}
+    findings: dict[str, Any] = {}
     try:
         # Windows that never close: nothing is applied. The large batch is one
         # micro-batch of a window of 2, the micro-batches `len(bounds)` of one of
@@ -213,7 +218,8 @@ def audit(model, x, y=None, *, steps, batch_size, sample_weight=None,
     pairs = []
     for variable in model.trainable_variables:
         a, b = large.get(id(variable)), accumulated.get(id(variable))
-        if a is None and b is None or not np.size(a if a is not None else b):
+        either = a if a is not None else b
+        if either is None or not np.size(either):
             continue
         zeros = np.zeros(variable.shape, "float64")
         pairs.append((variable.path, zeros if a is None else a.astype("float64"),
@@ -239,20 +245,20 @@ def audit(model, x, y=None, *, steps, batch_size, sample_weight=None,
                        updates_between_calls=between, rules=overwrite.rules(model))
 
 
-def _scope(model):
+def _scope(model: keras.Model) -> contextlib.AbstractContextManager[Any]:
     """The model's tf.distribute scope (a no-op elsewhere)."""
     strategy = getattr(model, "distribute_strategy", None)
     return strategy.scope() if strategy is not None else contextlib.nullcontext()
 
 
-def _tolerance(model) -> float:
+def _tolerance(model: keras.Model) -> float:
     """Rounding noise of the least precise dtype the model's layers compute in."""
     dtypes = {getattr(layer, "compute_dtype", None) for layer in kc.flatten_layers(model)}
     found = [TOLERANCES[d] for d in dtypes if d in TOLERANCES]
     return max(found, default=TOLERANCE)
 
 
-def check_model(model) -> None:
+def check_model(model: Any) -> None:
     if not isinstance(model, keras.Model):
         raise ValueError(
             "`model` must be a keras.Model. Received: "
@@ -279,7 +285,7 @@ def check_model(model) -> None:
         )
 
 
-def _as_arrays(part, name="x"):
+def _as_arrays(part: Any, name: str = "x") -> Any:
     """Data as `fit` reads it: arrays, and nests (dicts, lists) of arrays; a list of
     scalars (strings for a KerasHub task) is one array."""
     if part is None:
@@ -298,7 +304,7 @@ def _as_arrays(part, name="x"):
     return keras.tree.map_structure(np.asarray, part)
 
 
-def _samples(x) -> int:
+def _samples(x: Any) -> int:
     first = keras.tree.flatten(x)[0] if x is not None else None
     if first is None or not np.ndim(first):
         raise ValueError(
@@ -309,13 +315,14 @@ def _samples(x) -> int:
     return len(first)
 
 
-def _sliced(data, start, end):
+def _sliced(data: tuple, start: int, end: int) -> tuple:
     return tuple(None if part is None
                  else keras.tree.map_structure(lambda t: t[start:end], part)
                  for part in data)
 
 
-def _window_gradients(model, micro_batches, options, findings) -> dict:
+def _window_gradients(model: keras.Model, micro_batches: list[tuple], options: dict[str, Any],
+                      findings: dict[str, Any]) -> dict[int, Any]:
     """Runs `micro_batches` through the model's step under `accumulate` (a window
     that does not close) and returns the window's combined gradient by variable id;
     records the accumulation's own findings (several applications of an optimizer
@@ -333,7 +340,7 @@ def _window_gradients(model, micro_batches, options, findings) -> dict:
                 model.fit(x, y, sample_weight=sample_weight, batch_size=samples,
                           epochs=1, shuffle=False, verbose=0)
         accumulation = accumulation_of(model)
-        gradients = {}
+        gradients: dict[int, Any] = {}
         for variable, gradient in accumulation.window_gradients():
             if gradient is not None:
                 # A variable two accumulators hold (an optimizer applied to lists
@@ -352,7 +359,8 @@ def _window_gradients(model, micro_batches, options, findings) -> dict:
     return gradients
 
 
-def _added_loss_terms(model, window, micro_batches, sizes):
+def _added_loss_terms(model: keras.Model, window: tuple, micro_batches: list[tuple],
+                      sizes: list[int]) -> list:
     """The layers whose `add_loss` term is summed over the batch, from forward passes
     in training mode on the window and on each micro-batch ([] where the model cannot
     be called on the data as given: a task whose preprocessing runs in `fit`)."""
@@ -364,7 +372,8 @@ def _added_loss_terms(model, window, micro_batches, sizes):
     return added_losses.summed(whole, parts, sizes)
 
 
-def _causes(model, weighting, sizes, findings, summed_layers, inexact) -> list:
+def _causes(model: keras.Model, weighting: Weighting, sizes: list[int],
+            findings: dict[str, Any], summed_layers: list, inexact: bool) -> list[str]:
     causes = []
     for layer in kc.flatten_layers(model):
         if layer is model:
@@ -408,13 +417,13 @@ def _causes(model, weighting, sizes, findings, summed_layers, inexact) -> list:
 _RANDOM_AMOUNTS = ("rate", "dropout", "recurrent_dropout", "stddev")
 
 
-def _draws_random_numbers(layer) -> bool:
+def _draws_random_numbers(layer: Any) -> bool:
     """Whether a layer draws random numbers in training (Dropout, GaussianNoise,
     recurrent dropout, random augmentation: a seed generator of its own, kept in an
     attribute or in a list or dict of them)."""
     generator = keras.random.SeedGenerator
 
-    def generators(value):
+    def generators(value: Any) -> bool:
         if isinstance(value, generator):
             return True
         if isinstance(value, (list, tuple)):

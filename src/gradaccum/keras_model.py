@@ -12,13 +12,24 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Any
 
 import keras
 
 from gradaccum import _backend, state_file
 from gradaccum._validation import check_optimizer
-from gradaccum.adapter import ATTRIBUTE
-from gradaccum.core.options import NAMES, Options, documented, given
+from gradaccum.adapter import ATTRIBUTE, Accumulation
+from gradaccum.core.options import (
+    NAMES,
+    DType,
+    Nonfinite,
+    Options,
+    Steps,
+    Weighting,
+    documented,
+    given,
+)
+from gradaccum.core.privacy import Privacy
 from gradaccum.core.privacy import check_model as check_private_model
 from gradaccum.core.window import PARTIALS  # noqa: F401 (re-exported)
 from gradaccum.weighting import record_normalizers
@@ -51,22 +62,22 @@ class AccumulatingModel(keras.Model):
 
     def __init__(
         self,
-        model,
+        model: keras.Model,
         *,
-        steps=None,
+        steps: Steps | None = None,
         micro_batch_size: int | str | None = None,
         max_micro_batch_size: int | None = None,
-        weighting="exact",
+        weighting: Weighting = "exact",
         partial: str = "flush",
         reduction: str = "mean",
-        accumulator_dtype="float32",
+        accumulator_dtype: DType = "float32",
         convert_batch_norm: bool = False,
-        nonfinite: str = "skip",
+        nonfinite: Nonfinite = "skip",
         weight_per_update: float | None = None,
         moving_statistics: str = "window",
-        privacy=None,
-        **kwargs,
-    ):
+        privacy: Privacy | None = None,
+        **kwargs: Any,
+    ) -> None:
         if not isinstance(model, keras.Model):
             raise ValueError(
                 "`model` must be a keras.Model. "
@@ -117,22 +128,22 @@ class AccumulatingModel(keras.Model):
             self.built = True
 
     @property
-    def _accumulation(self):
+    def _accumulation(self) -> Accumulation:
         """The accumulation that trains the wrapped model (`gradaccum.adapter`)."""
         return self.__dict__[ATTRIBUTE]
 
     @property
-    def _fit_state(self):
+    def _fit_state(self) -> Any:
         """The accumulation state of fit (None before the first training step)."""
         return self._accumulation.state
 
     # Keras model protocol --------------------------------------------------------
 
-    def call(self, inputs, training=None):
+    def call(self, inputs: Any, training: bool | None = None) -> Any:
         return self.model(inputs, training=training)
 
-    def compile(self, optimizer="rmsprop", loss=None, *args,
-                steps_per_execution="window", **kwargs):
+    def compile(self, optimizer: Any = "rmsprop", loss: Any = None, *args: Any,
+                steps_per_execution: int | str = "window", **kwargs: Any) -> None:
         """Configures training as `keras.Model.compile`, with one difference.
 
         `steps_per_execution` defaults to `"window"`: one compiled call runs the
@@ -157,13 +168,13 @@ class AccumulatingModel(keras.Model):
                         **kwargs)
         self._accumulation.forget()
 
-    def compile_from_config(self, config):
+    def compile_from_config(self, config: dict) -> None:
         config = keras.saving.deserialize_keras_object(config)
         self.compile(**config)
         if self.built:
             self.optimizer.build(self.trainable_variables)
 
-    def get_config(self):
+    def get_config(self) -> dict[str, Any]:
         return {
             "model": keras.saving.serialize_keras_object(self.model),
             **self._accumulation.options.config(),
@@ -173,7 +184,8 @@ class AccumulatingModel(keras.Model):
         }
 
     @classmethod
-    def from_config(cls, config, custom_objects=None):
+    def from_config(cls, config: dict[str, Any],
+                    custom_objects: dict[str, Any] | None = None) -> AccumulatingModel:
         config = dict(config)
         model = keras.saving.deserialize_keras_object(
             config.pop("model"), custom_objects=custom_objects
@@ -182,37 +194,39 @@ class AccumulatingModel(keras.Model):
         rest = {k: v for k, v in config.items() if k not in options}
         return cls(model, **options, **rest)
 
-    def make_train_function(self, force=False):
+    def make_train_function(self, force: bool = False) -> Any:
         return self._accumulation.make_train_function(
             lambda force: super(AccumulatingModel, self).make_train_function(force=force),
             force,
         )
 
-    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
-            callbacks=None, **kwargs):
+    def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None,
+            epochs: int = 1, verbose: Any = "auto", callbacks: Any = None,
+            **kwargs: Any) -> Any:
         return self._accumulation.fit(
             super().fit, x, y, batch_size, epochs, verbose, callbacks, kwargs
         )
 
-    def evaluate(self, *args, **kwargs):
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
         self._accumulation.before_evaluate(kwargs)
         with self._accumulation.evaluating():
             return super().evaluate(*args, **kwargs)
 
-    def predict(self, *args, **kwargs):
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
         self._accumulation.before_predict(args, kwargs)
         return super().predict(*args, **kwargs)
 
-    def train_on_batch(self, *args, **kwargs):
+    def train_on_batch(self, *args: Any, **kwargs: Any) -> Any:
         return self._accumulation.after_train_on_batch(super().train_on_batch(*args, **kwargs))
 
-    def train_step(self, *args):
+    def train_step(self, *args: Any) -> Any:
         # (data) on TensorFlow, (state, data) on JAX.
         return self._accumulation.train_step(*args)
 
     # Saving: the accumulation state travels with the weights ---------------------
 
-    def save_weights(self, filepath, overwrite=True, *args, **kwargs):
+    def save_weights(self, filepath: Any, overwrite: bool = True, *args: Any,
+                     **kwargs: Any) -> None:
         """Keras's `save_weights`, the window state inside the weights file,
         written to a temporary file renamed over `filepath`: a kill during the save
         leaves the previous file whole (`gradaccum.state_file`)."""
@@ -225,18 +239,18 @@ class AccumulatingModel(keras.Model):
                 path, True, *args, **kwargs),
             filepath, atomic=not sharded)
 
-    def save_own_variables(self, store):
+    def save_own_variables(self, store: Any) -> None:
         super().save_own_variables(store)
         self._accumulation.save_to(store)
 
-    def load_own_variables(self, store):
+    def load_own_variables(self, store: Any) -> None:
         self._accumulation.load_from(store)
         super().load_own_variables(
             {k: store[k] for k in store.keys() if not k.startswith("gradaccum_")}
         )
 
 
-def _warn_if_own_training(model) -> None:
+def _warn_if_own_training(model: keras.Model) -> None:
     """wrap trains with the wrapper's step and compiled loss: a model whose class
     defines its own would silently get another objective."""
     own = [
@@ -256,20 +270,20 @@ def _warn_if_own_training(model) -> None:
 
 @documented
 def wrap(
-    model,
-    steps=None,
+    model: keras.Model,
+    steps: Steps | None = None,
     *,
     micro_batch_size: int | str | None = None,
     max_micro_batch_size: int | None = None,
-    weighting="exact",
+    weighting: Weighting = "exact",
     partial: str = "flush",
     reduction: str = "mean",
-    accumulator_dtype="float32",
+    accumulator_dtype: DType = "float32",
     convert_batch_norm: bool = False,
-    nonfinite: str = "skip",
+    nonfinite: Nonfinite = "skip",
     weight_per_update: float | None = None,
     moving_statistics: str = "window",
-    privacy=None,
+    privacy: Privacy | None = None,
 ) -> AccumulatingModel:
     """Wraps a Keras model so that `fit()` trains it with gradient accumulation.
 

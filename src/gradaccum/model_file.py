@@ -20,11 +20,16 @@ import json
 import os
 import warnings
 import zipfile
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import keras
 import numpy as np
 
 from gradaccum import saving, state_file
+
+if TYPE_CHECKING:  # pragma: no cover
+    from gradaccum.adapter import Accumulation
 
 # The archive member that holds the accumulation state.
 WINDOW = "gradaccum.window.npz"
@@ -32,10 +37,12 @@ WINDOW = "gradaccum.window.npz"
 SAVED = "_gradaccum_saved_window"
 
 
-def save(model, accumulation, keras_save, filepath, overwrite, zipped, kwargs, signature):
+def save(model: keras.Model, accumulation: Accumulation, keras_save: Callable[[Any, bool], Any],
+         filepath: Any, overwrite: bool, zipped: bool | None, kwargs: dict[str, Any],
+         signature: dict) -> Any:
     """`model.save(filepath, overwrite, zipped, **kwargs)` with the accumulation state
     in the archive (`keras_save(path, overwrite)` is Keras's save to a path)."""
-    store = {}
+    store: dict[str, Any] = {}
     accumulation.save_to(store)
     if not _carried(filepath, zipped):
         result = keras_save(filepath, overwrite)
@@ -56,21 +63,22 @@ def save(model, accumulation, keras_save, filepath, overwrite, zipped, kwargs, s
     return None
 
 
-def _carried(filepath, zipped) -> bool:
+def _carried(filepath: Any, zipped: bool | None) -> bool:
     """Whether a save to `filepath` can hold the window: a local zipped `.keras`."""
     return (isinstance(filepath, (str, os.PathLike))
             and os.fspath(filepath).endswith(".keras")
             and "://" not in os.fspath(filepath) and zipped in (None, True))
 
 
-def _write(keras_save, filepath, overwrite, entries) -> bool:
+def _write(keras_save: Callable[[Any, bool], Any], filepath: str, overwrite: bool,
+           entries: dict[str, Any]) -> bool:
     """Keras's file at `filepath` with `entries` (a state's, stamped) as the
     `WINDOW` member, written atomically; False where the user declined to
     overwrite."""
     if not state_file.keras_save(filepath, overwrite, (), {})[0]:
         return False
 
-    def add_window(written):
+    def add_window(written: str) -> None:
         content = io.BytesIO()
         np.savez(content, **entries)
         with zipfile.ZipFile(written, "a") as archive:
@@ -83,7 +91,7 @@ def _write(keras_save, filepath, overwrite, entries) -> bool:
     return True
 
 
-def _warn_open(accumulation, filepath, stacklevel=3) -> None:
+def _warn_open(accumulation: Accumulation, filepath: Any, stacklevel: int = 3) -> None:
     """Warns that a save which cannot carry the state leaves an open window out."""
     micro_batches = accumulation.open_micro_batches()
     if micro_batches:
@@ -100,7 +108,7 @@ def _warn_open(accumulation, filepath, stacklevel=3) -> None:
 
 
 @contextlib.contextmanager
-def carrying(accumulation):
+def carrying(accumulation: Accumulation) -> Iterator[None]:
     """The block saves the window itself (`model.save`, `save_weights`): Keras's
     store of the model's own variables says nothing then."""
     accumulation.saving_window = True
@@ -110,7 +118,7 @@ def carrying(accumulation):
         accumulation.saving_window = False
 
 
-def storing(accumulation) -> None:
+def storing(accumulation: Accumulation) -> None:
     """Keras writes the model's own variables to a file (its `save_own_variables`):
     outside `carrying` (`keras.saving.save_model`, a save of an outer model), an open
     window is warned about."""
@@ -118,7 +126,8 @@ def storing(accumulation) -> None:
         _warn_open(accumulation, None, stacklevel=4)
 
 
-def load_model(filepath, custom_objects=None, compile=True, safe_mode=True):
+def load_model(filepath: str | os.PathLike[str], custom_objects: dict[str, Any] | None = None,
+               compile: bool = True, safe_mode: bool = True) -> keras.Model:
     """Loads a `.keras` file as `keras.saving.load_model` does, with the accumulation
     state an `accumulate`d model's `save` wrote into it: the next
     `gradaccum.accumulate` on the returned model resumes the saved window exactly
@@ -161,12 +170,12 @@ def load_model(filepath, custom_objects=None, compile=True, safe_mode=True):
     return model
 
 
-def _warn_on_plain_fit(model, filepath) -> None:
+def _warn_on_plain_fit(model: keras.Model, filepath: str) -> None:
     """Until `accumulate` takes the saved open window (its own `fit` replaces this
     one), a `fit` warns that it trains without it."""
     cls = type(model)
 
-    def fit(*args, **kwargs):
+    def fit(*args: Any, **kwargs: Any) -> Any:
         if SAVED in model.__dict__:
             warnings.warn(
                 f"This model holds the open window gradaccum.load_model read from "
@@ -182,14 +191,15 @@ def _warn_on_plain_fit(model, filepath) -> None:
     model.__dict__["fit"] = fit
 
 
-def _keep_on_save(model, saved) -> None:
+def _keep_on_save(model: keras.Model, saved: dict[str, Any]) -> None:
     """Until `accumulate` takes the saved state, the model's `save` writes it again
     (a loaded model saved before it trains keeps its window)."""
     cls = type(model)
     entries = {state_file._FORMAT: np.asarray(state_file.FORMAT), **saved}
 
-    def save(filepath, overwrite=True, zipped=None, **kwargs):
-        def keras_save(path, overwrite):
+    def save(filepath: Any, overwrite: bool = True, zipped: bool | None = None,
+             **kwargs: Any) -> Any:
+        def keras_save(path: Any, overwrite: bool) -> Any:
             return cls.save(model, path, overwrite=overwrite, zipped=zipped, **kwargs)
 
         if _carried(filepath, zipped):
@@ -208,7 +218,7 @@ def _keep_on_save(model, saved) -> None:
     model.__dict__["save"] = save
 
 
-def read(filepath) -> dict | None:
+def read(filepath: str | os.PathLike[str]) -> dict | None:
     """The state in a `.keras` file (None: the file has none)."""
     filepath = os.fspath(filepath)
     try:
@@ -236,7 +246,7 @@ def read(filepath) -> dict | None:
     return values
 
 
-def take(model, accumulation, signature) -> None:
+def take(model: keras.Model, accumulation: Accumulation, signature: dict) -> None:
     """Gives `accumulation` the state `load_model` left on `model` (once): the
     running epoch's position stays behind (a new fit starts a new epoch)."""
     found = model.__dict__.pop(SAVED, None)

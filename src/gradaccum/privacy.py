@@ -12,7 +12,8 @@ from gradaccum.adapter import accumulation_of
 from gradaccum.core.privacy import spent
 
 
-def privacy_spent(model, dataset_size=None, delta=None) -> float:
+def privacy_spent(model: keras.Model, dataset_size: int | None = None,
+                  delta: float | None = None) -> float:
     """The epsilon spent by the updates `model` made so far with `gradaccum.Privacy`.
 
     Each update is counted as a Poisson sample of the dataset at the rate
@@ -45,4 +46,5 @@ def privacy_spent(model, dataset_size=None, delta=None) -> float:
             "`model` must train with gradaccum.Privacy (`gradaccum.accumulate(model, "
             f"steps, privacy=...)`). Received: model={getattr(model, 'name', model)!r}"
         )
+    assert accumulation is not None  # it holds `privacy`
     return spent(accumulation, dataset_size, delta)

@@ -107,7 +107,7 @@ def to_slots(pending: dict, variables, prefix: str = "", vectors=()) -> None:
     by_path = {k[len(start):]: k for k in pending if k.startswith(start)}
     if not by_path:
         return
-    slots = {name: [] for name in vectors}
+    slots: dict[str, list] = {name: [] for name in vectors}
     for i, variable in enumerate(variables):
         saved = pending.pop(by_path.pop(variable.path, None), None) or {}
         if saved.get("sum") is not None:

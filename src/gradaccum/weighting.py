@@ -76,7 +76,7 @@ def loss_normalizer(losses, sample_weight, mask, reduction, dtype="float32"):
 class NormalizerLog:
     """Collects the normalizers recorded while one loss is computed."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.values: list = []
         self.last: list = []
 

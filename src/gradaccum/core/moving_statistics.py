@@ -290,7 +290,7 @@ class Follower:
 
     # The arithmetic ----------------------------------------------------------------
 
-    def step(self, statistics: dict, start: list, moved: list, accepted, applied,
+    def step(self, statistics: dict, start: list, moved: list | None, accepted, applied,
              closed) -> tuple[dict, list]:
         """One micro-batch's end for every followed layer: its statistics recovered
         from the move and pooled into the window where `accepted`; then, where
@@ -313,7 +313,7 @@ class Follower:
             names = statistics_names(i)
             window = tuple(statistics[n] for n in names)
             passes = self.passes[i] if moved is not None else 0
-            if passes:
+            if passes and moved is not None:
                 micro = self._recovered(followed.layer, start[i], moved[i], passes,
                                         self.counts[i], followed.channels)
                 window = _where(accepted, _merged(window, micro), window)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import inspect
 import textwrap
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias, TypeVar
 
 import keras
 
@@ -27,6 +28,22 @@ from gradaccum.core.moving_statistics import MODES as MOVING_MODES
 from gradaccum.core.privacy import PRIVACY_FIELDS, Privacy, check_privacy
 from gradaccum.core.privacy import check_options as check_private_options
 from gradaccum.core.window import PARTIALS, WindowSpec
+
+if TYPE_CHECKING:  # pragma: no cover
+    from gradaccum.core.transitions import Policy
+
+# The options' values as the doors' type hints name them (`OPTIONS` says what each
+# means). Tensors, of every backend, are `Any`.
+#: `steps`: an int, `(from_update, k)` pairs, or a callable `update_index -> k`.
+Steps: TypeAlias = int | Sequence[tuple[int, int]] | Callable[[Any], Any]
+#: `weighting`: "exact", "uniform", or a callable `(x, y, sample_weight) -> weight`.
+Weighting: TypeAlias = str | Callable[[Any, Any, Any], Any]
+#: `nonfinite`: "skip", "raise", "apply", or a callable `gradients -> bool` (True skips).
+Nonfinite: TypeAlias = str | Callable[[Any], Any]
+#: `accumulator_dtype`: a dtype's name ("float32") or a backend's or NumPy's dtype.
+DType: TypeAlias = Any
+
+_Function = TypeVar("_Function", bound=Callable[..., Any])
 
 
 class Option(NamedTuple):
@@ -105,10 +122,12 @@ def given(arguments: dict) -> dict:
     return {name: arguments[name] for name in NAMES}
 
 
-def documented(function):
+def documented(function: _Function) -> _Function:
     """Fills the `{options}` line of `function`'s docstring with the options'
-    `Args:` entries (`filled`); returns `function`."""
-    function.__doc__ = filled(function.__doc__)
+    `Args:` entries (`filled`); returns `function`. (Under `python -OO` there is no
+    docstring to fill.)"""
+    if function.__doc__ is not None:
+        function.__doc__ = filled(function.__doc__)
     return function
 
 
@@ -128,7 +147,7 @@ def filled(docstring: str) -> str:
     return "\n".join(lines[:index] + entries + lines[index + 1:])
 
 
-def check_signature(function, *, skip=1) -> None:
+def check_signature(function: Callable[..., Any], *, skip: int = 1) -> None:
     """Raises unless `function` takes every option with its default (after its first
     `skip` parameters): a door that drifted from `OPTIONS`."""
     parameters = list(inspect.signature(function).parameters.values())[skip:]
@@ -154,10 +173,12 @@ class Options:
     # The backend's `WindowSpec` (how a schedule's callable runs).
     window_rule = WindowSpec
 
-    def __init__(self, *, steps=None, micro_batch_size=None, max_micro_batch_size=None,
-                 weight_per_update=None, weighting="exact", partial="flush",
-                 reduction="mean", accumulator_dtype="float32", nonfinite="skip",
-                 moving_statistics="window", privacy=None):
+    def __init__(self, *, steps: Steps | None = None, micro_batch_size: int | str | None = None,
+                 max_micro_batch_size: int | None = None,
+                 weight_per_update: float | None = None, weighting: Weighting = "exact",
+                 partial: str = "flush", reduction: str = "mean",
+                 accumulator_dtype: DType = "float32", nonfinite: Nonfinite = "skip",
+                 moving_statistics: str = "window", privacy: Privacy | None = None) -> None:
         self.partial = check_choice("partial", partial, PARTIALS)
         self.micro_batch_size, self.max_micro_batch_size = check_window_options(
             steps, micro_batch_size, max_micro_batch_size, partial, weight_per_update
@@ -183,7 +204,7 @@ class Options:
         if self.privacy is not None:
             check_private_options(self)
 
-    def policy(self):
+    def policy(self) -> Policy:
         """The settings the state machine follows (`core.transitions.Policy`)."""
         from gradaccum.core.transitions import Policy
 
@@ -207,7 +228,7 @@ class Options:
         return self.micro_batch_size == "auto"
 
     @property
-    def steps(self):
+    def steps(self) -> Any:
         """`steps` as checked: an int, the schedule (pairs as a tuple, or the
         callable), or None."""
         return self.window.steps
@@ -222,7 +243,7 @@ class Options:
         combined, and whether it is private. A saved state goes on only under the
         same rule."""
 
-        def named(value):
+        def named(value: Any) -> Any:
             if callable(value):
                 return getattr(value, "__qualname__", type(value).__qualname__)
             if isinstance(value, (list, tuple)):
@@ -263,7 +284,7 @@ class Options:
         return config
 
     @staticmethod
-    def from_config(config: dict, custom_objects=None) -> dict:
+    def from_config(config: dict, custom_objects: dict[str, Any] | None = None) -> dict:
         """The options' values out of `config()` (callables deserialized)."""
         values = {}
         for name in NAMES:

@@ -36,7 +36,7 @@ import keras
 ops = keras.ops
 
 
-def flags(variables) -> tuple:
+def flags(variables) -> tuple[bool, ...]:
     """Whether each variable is overwritten with its gradient, in order."""
     return tuple(bool(getattr(v, "overwrite_with_gradient", False)) for v in variables)
 
@@ -60,14 +60,14 @@ def values(gradients, overwrites) -> list:
     return [g if flag else None for g, flag in zip(gradients, overwrites, strict=False)]
 
 
-def kinds(variables) -> tuple:
+def kinds(variables) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
     """`(flags, measured)` of `variables` for a window record (`Record.overwrites`,
     `Record.measured`): both empty where no variable is overwritten."""
     found = flags(variables)
     return (found, measured(variables)) if any(found) else ((), ())
 
 
-def measured(variables) -> tuple:
+def measured(variables) -> tuple[bool, ...]:
     """Whether each variable is a float8 layer's output-gradient amax history, whose
     newest entry (index 0, where Keras's `compute_float8_amax_history` writes it)
     measures the gradient flowing back: a value in the units of the loss the step

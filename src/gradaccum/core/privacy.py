@@ -20,10 +20,15 @@ from __future__ import annotations
 import math
 import numbers
 import secrets
+from typing import TYPE_CHECKING, Any
 
 import keras
 
 from gradaccum import _keras_common as kc
+
+if TYPE_CHECKING:  # pragma: no cover
+    from gradaccum.adapter import Accumulation
+    from gradaccum.core.options import Options
 
 ACCOUNTANTS = ("rdp", "pld")
 # Privacy's arguments, as a saved AccumulatingModel's config holds them.
@@ -37,7 +42,7 @@ _MISSING_ACCOUNTING = (
 )
 
 
-def _is_number(value) -> bool:
+def _is_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
@@ -94,8 +99,9 @@ class Privacy:
         True
     """
 
-    def __init__(self, l2_norm_clip, noise_multiplier, seed=None, *, dataset_size=None,
-                 delta=None, accountant="rdp"):
+    def __init__(self, l2_norm_clip: float, noise_multiplier: float, seed: int | None = None,
+                 *, dataset_size: int | None = None, delta: float | None = None,
+                 accountant: str = "rdp") -> None:
         if not _is_number(l2_norm_clip) or not math.isfinite(l2_norm_clip) \
                 or l2_norm_clip <= 0:
             raise ValueError(
@@ -140,7 +146,7 @@ class Privacy:
         system's entropy (a non-negative int64)."""
         return self.seed if self.seed is not None else secrets.randbits(62)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (
             f"Privacy(l2_norm_clip={self.l2_norm_clip}, "
             f"noise_multiplier={self.noise_multiplier}, seed={self.seed}, "
@@ -149,7 +155,7 @@ class Privacy:
         )
 
 
-def check_dataset_size(dataset_size, required=False):
+def check_dataset_size(dataset_size: Any, required: bool = False) -> int | None:
     if dataset_size is None and not required:
         return None
     if not isinstance(dataset_size, numbers.Integral) or isinstance(dataset_size, bool) \
@@ -161,7 +167,7 @@ def check_dataset_size(dataset_size, required=False):
     return int(dataset_size)
 
 
-def check_delta(delta, required=False):
+def check_delta(delta: Any, required: bool = False) -> float | None:
     if delta is None and not required:
         return None
     if not _is_number(delta) or not 0 < delta < 1:
@@ -169,7 +175,7 @@ def check_delta(delta, required=False):
     return float(delta)
 
 
-def check_privacy(privacy):
+def check_privacy(privacy: Any) -> Privacy | None:
     """`privacy` as given to `accumulate` or `wrap`: a `Privacy` or None."""
     if privacy is not None and not isinstance(privacy, Privacy):
         raise ValueError(
@@ -179,7 +185,7 @@ def check_privacy(privacy):
     return privacy
 
 
-def check_options(options) -> None:
+def check_options(options: Options) -> None:
     """The accumulation options private training works with: each example weighs one
     (`weighting="exact"`, which privacy turns into a count of examples), a mean."""
     if options.weighting != "exact" or options.reduction != "mean":
@@ -191,7 +197,7 @@ def check_options(options) -> None:
         )
 
 
-def check_model(model, own_train_step) -> None:
+def check_model(model: keras.Model, own_train_step: bool) -> None:
     """Refuses a model whose examples' gradients cannot be told apart: its own
     `train_step` (gradaccum cannot see its examples), its own `compute_loss` (a loss
     that may mix examples), or a layer that mixes examples (batch normalization) or
@@ -215,7 +221,7 @@ def check_model(model, own_train_step) -> None:
         check_layers(model)
 
 
-def check_layers(model) -> None:
+def check_layers(model: keras.Model) -> None:
     """The layer checks of `check_model` (on a built model)."""
     for layer in kc.flatten_layers(model):
         if isinstance(layer, keras.layers.BatchNormalization):
@@ -234,7 +240,8 @@ def check_layers(model) -> None:
             )
 
 
-def per_example_inputs(model, x, y, sample_weight):
+def per_example_inputs(model: keras.Model, x: Any, y: Any,
+                       sample_weight: Any) -> tuple[Any, dict[str, Any]]:
     """What both backends' per-example pass maps over: the model's compiled loss
     (refused without one) and the micro-batch's parts as one dict (`x`, and `y` and
     `sample_weight` when given)."""
@@ -252,7 +259,7 @@ def per_example_inputs(model, x, y, sample_weight):
     return compile_loss, elements
 
 
-def check_example_losses(model, losses, regularized: int) -> None:
+def check_example_losses(model: keras.Model, losses: list, regularized: int) -> None:
     """Refuses a model whose layers add losses in their call (`add_loss`): computed
     over the micro-batch, they cannot be split per example. `losses`: what the
     model's stateless call returned for one example, the weight regularizers' terms
@@ -265,13 +272,13 @@ def check_example_losses(model, losses, regularized: int) -> None:
         )
 
 
-def regularized_variables(model) -> int:
+def regularized_variables(model: keras.Model) -> int:
     """How many of the model's trainable variables have a weight regularizer."""
     return sum(getattr(v, "regularizer", None) is not None
                for v in model.trainable_variables)
 
 
-def clip_factors(squared_norms, l2_norm_clip):
+def clip_factors(squared_norms: Any, l2_norm_clip: float) -> Any:
     """Each example's clipping factor `C / max(norm, C)` (1 within the bound), from
     its squared L2 norm (float32)."""
     ops = keras.ops
@@ -290,7 +297,7 @@ def sampling_rate(window: float, dataset_size: int) -> float:
     return window / dataset_size
 
 
-def check_fit(options, x, batch_size) -> None:
+def check_fit(options: Options, x: Any, batch_size: int | None) -> None:
     """As `fit` starts with arrays: a `Privacy.dataset_size` smaller than the window
     the options make of them is refused before training (a window larger than the
     dataset is not a sample of it)."""
@@ -337,13 +344,15 @@ def epsilon(noise_multiplier: float, sampling_rate: float, updates: int, delta: 
     return float(ledger.get_epsilon(delta))
 
 
-def spent(accumulation, dataset_size=None, delta=None) -> float:
+def spent(accumulation: Accumulation, dataset_size: int | None = None,
+          delta: float | None = None) -> float:
     """`privacy_spent` of the accumulation a model trains with."""
     privacy = accumulation.options.privacy
     dataset_size = check_dataset_size(
         privacy.dataset_size if dataset_size is None else dataset_size, required=True
     )
     delta = check_delta(privacy.delta if delta is None else delta, required=True)
+    assert dataset_size is not None and delta is not None  # required=True: checked
     updates, window = accumulation.privacy_record()
     if updates == 0:
         return 0.0

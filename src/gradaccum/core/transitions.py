@@ -56,6 +56,9 @@ class Record:
         values: the fields' current values by name.
     """
 
+    # What the last micro-batch did to the window (`micro_batch` sets it).
+    outcome: Outcome | None
+
     def __init__(self, values=None):
         self.values = dict(values or {})
 
@@ -166,10 +169,10 @@ class Record:
     reacts_now = True
     #: Whether each variable is `overwrite_with_gradient` (`gradaccum.core.overwrite`),
     #: in the sums' order; empty where none is.
-    overwrites = ()
+    overwrites: tuple[bool, ...] = ()
     #: Whether each variable's newest entry measures the gradient (a float8 layer's
     #: output-gradient amax history: `overwrite.measured`); empty where none does.
-    measured = ()
+    measured: tuple[bool, ...] = ()
 
 
 class Policy:

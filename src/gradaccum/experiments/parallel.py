@@ -21,6 +21,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from gradaccum.experiments.data import Dataset
 from gradaccum.experiments.runner import Config, RunResult, run_once
@@ -119,19 +120,19 @@ def limit_threads(backend: str, threads: int) -> None:
     TensorFlow read their settings from the environment when they start; PyTorch's
     is set on import here.
     """
-    threads = str(threads)
-    os.environ["OMP_NUM_THREADS"] = threads
+    count = str(threads)
+    os.environ["OMP_NUM_THREADS"] = count
     if backend == "jax":
         flags = os.environ.get("XLA_FLAGS", "")
-        if threads == "1":
+        if count == "1":
             os.environ["XLA_FLAGS"] = f"{flags} --xla_cpu_multi_thread_eigen=false".strip()
     elif backend == "tensorflow":
-        os.environ["TF_NUM_INTRAOP_THREADS"] = threads
-        os.environ["TF_NUM_INTEROP_THREADS"] = threads
+        os.environ["TF_NUM_INTRAOP_THREADS"] = count
+        os.environ["TF_NUM_INTEROP_THREADS"] = count
     elif backend == "torch":
         import torch
 
-        torch.set_num_threads(int(threads))
+        torch.set_num_threads(int(count))
 
 
 @contextlib.contextmanager
@@ -199,6 +200,7 @@ def _start_worker(backend: str, threads: int, data: Dataset, jobs: int, device: 
 
 
 def _run(task: Task) -> RunResult:
+    assert _DATA is not None, "set in each worker by _start_worker"
     return run_once(task.config, _DATA, seed=task.seed, **task.options)
 
 
@@ -231,7 +233,7 @@ def run_all(
         start_backend(backend)
         for index, task in enumerate(tasks):
             done(index, run_once(task.config, data, seed=task.seed, **task.options))
-        return results
+        return cast("list[RunResult]", results)  # every index filled by `done`
     # Fresh interpreters (spawn): each starts its own Keras on `backend`.
     context = multiprocessing.get_context("spawn")
     threads = max(1, cores() // jobs)
@@ -247,4 +249,4 @@ def run_all(
             # A run failed (or Ctrl-C): the runs not started yet are not started.
             pool.shutdown(wait=False, cancel_futures=True)
             raise
-    return results
+    return cast("list[RunResult]", results)  # every index filled by `done`

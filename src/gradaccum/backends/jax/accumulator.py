@@ -10,6 +10,9 @@ micro-batch does to the window is `gradaccum.core.transitions`, the state machin
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import keras
@@ -28,6 +31,7 @@ from gradaccum.backends.jax.state import Packed
 from gradaccum.core import overwrite
 from gradaccum.core import transitions as tr
 from gradaccum.core.combine import REDUCTIONS
+from gradaccum.core.options import DType, Nonfinite, Steps
 from gradaccum.core.state import ERROR_FIELDS, FIT, WINDOW, accumulator_name
 
 __all__ = ["GradientAccumulator"]
@@ -119,9 +123,10 @@ class GradientAccumulator(Packed):
         (2, 0)
     """
 
-    def __init__(self, variables, *, steps=None, weight_per_update=None, reduction="mean",
-                 accumulator_dtype="float32", nonfinite="skip",
-                 name="gradient_accumulator"):
+    def __init__(self, variables: Sequence[Any], *, steps: Steps | None = None,
+                 weight_per_update: float | None = None, reduction: str = "mean",
+                 accumulator_dtype: DType = "float32", nonfinite: Nonfinite = "skip",
+                 name: str = "gradient_accumulator") -> None:
         from gradaccum.backends.jax.fit import WindowRule, check_accumulator_dtype
 
         variables = check_variables(variables)
@@ -148,7 +153,7 @@ class GradientAccumulator(Packed):
                                           trainable=False, name="weights")
 
     @property
-    def steps(self):
+    def steps(self) -> Any:
         """Micro-batches per window: an int, the schedule as given (a callable, or
         the pairs as a tuple), or None."""
         return self._rule.steps
@@ -166,8 +171,10 @@ class GradientAccumulator(Packed):
 
     # The stateless verbs -----------------------------------------------------------------
 
-    def stateless_step(self, optimizer, grads, trainable_variables, optimizer_variables,
-                       accumulator_variables, weight=1.0):
+    def stateless_step(self, optimizer: keras.optimizers.Optimizer, grads: Sequence[Any],
+                       trainable_variables: Sequence[Any], optimizer_variables: Sequence[Any],
+                       accumulator_variables: Sequence[Any],
+                       weight: Any = 1.0) -> tuple[list, list, list]:
         """Adds one micro-batch and, when its window is due, applies it.
 
         Args:
@@ -194,15 +201,17 @@ class GradientAccumulator(Packed):
         return self._run(optimizer, grads, trainable_variables, optimizer_variables,
                          accumulator_variables, weight, closes=True)
 
-    def stateless_accumulate(self, grads, accumulator_variables, weight=1.0):
+    def stateless_accumulate(self, grads: Sequence[Any], accumulator_variables: Sequence[Any],
+                             weight: Any = 1.0) -> list:
         """Adds one micro-batch without applying anything (gradients of an unscaled
         loss); returns the accumulator's values."""
         trainable = [jnp.zeros((), "float32")] * len(self.target_variables)
         return self._run(None, grads, trainable, [], accumulator_variables, weight,
                          closes=False)[2]
 
-    def stateless_apply(self, optimizer, trainable_variables, optimizer_variables,
-                        accumulator_variables):
+    def stateless_apply(self, optimizer: keras.optimizers.Optimizer,
+                        trainable_variables: Sequence[Any], optimizer_variables: Sequence[Any],
+                        accumulator_variables: Sequence[Any]) -> tuple[list, list, list]:
         """Applies the open window (full or partial, normalized by its own weights)
         and empties it; nothing with an empty window. Returns
         `(trainable_variables, optimizer_variables, accumulator_variables)`."""
@@ -212,7 +221,7 @@ class GradientAccumulator(Packed):
         tr.apply_now(self.policy, record, True)
         return self._returned(carry)
 
-    def check(self, accumulator_variables=None) -> None:
+    def check(self, accumulator_variables: Sequence[Any] | None = None) -> None:
         """Raises the first error a jitted step recorded (a non-finite gradient under
         `nonfinite="raise"`, a schedule's value below 1) in `accumulator_variables`
         (default: the state's variables). The micro-batch that met it was skipped;
@@ -224,7 +233,7 @@ class GradientAccumulator(Packed):
                                        int(window["error_at"]))
             raise (FloatingPointError if error == 1 else ValueError)(message)
 
-    def clear(self, accumulator_variables=None):
+    def clear(self, accumulator_variables: Sequence[Any] | None = None) -> list:
         """`accumulator_variables` (default: the state's variables, cleared in place)
         with no error recorded; returns them."""
         values = (list(accumulator_variables) if accumulator_variables is not None
@@ -239,14 +248,15 @@ class GradientAccumulator(Packed):
                 variable.assign(value)
         return values
 
-    def _unpacked(self, accumulator_variables):
+    def _unpacked(self, accumulator_variables: Sequence[Any] | None) -> dict:
         values = (list(accumulator_variables) if accumulator_variables is not None
                   else [v.value for v in self.variables])
         return self.unpack(dict(zip(self.carried(), values)))
 
     # Internals ----------------------------------------------------------------------------
 
-    def _carry(self, optimizer, trainable, optimizer_variables, accumulator_variables):
+    def _carry(self, optimizer: Any, trainable: Sequence[Any], optimizer_variables: Sequence[Any],
+               accumulator_variables: Sequence[Any]) -> tuple[Carry, WindowRecord]:
         """The step's values and the window record over them."""
         trainable, optimizer_variables = list(trainable), list(optimizer_variables)
         accumulator_variables = list(accumulator_variables)
@@ -262,8 +272,9 @@ class GradientAccumulator(Packed):
                           tuple(range(len(trainable))))
         return carry, WindowRecord(carry, _Owner(self, optimizer), applier)
 
-    def _run(self, optimizer, grads, trainable, optimizer_variables, accumulator_variables,
-             weight, closes):
+    def _run(self, optimizer: Any, grads: Sequence[Any], trainable: Sequence[Any],
+             optimizer_variables: Sequence[Any], accumulator_variables: Sequence[Any],
+             weight: Any, closes: bool) -> tuple[list, list, list]:
         grads = list(grads)
         if len(grads) != len(self.target_variables):
             raise ValueError(
@@ -284,7 +295,7 @@ class GradientAccumulator(Packed):
                        closes=closes)
         return self._returned(carry)
 
-    def _returned(self, carry):
+    def _returned(self, carry: Carry) -> tuple[list, list, list]:
         accumulated = self.pack(carry.ours)
         values = [accumulated[name] for name in self.carried()]
         if not any(isinstance(v, jax.core.Tracer) for v in values):
@@ -304,7 +315,7 @@ class _Owner(LossScaling):
     # skipped, and the loop goes on, as after a caught error on TensorFlow.
     gates_errors = False
 
-    def __init__(self, accumulator: GradientAccumulator, optimizer):
+    def __init__(self, accumulator: GradientAccumulator, optimizer: Any) -> None:
         super().__init__(optimizer)
         self.variable_dtypes = [v.dtype for v in accumulator.target_variables]
         self.overwrites, self.measured = overwrite.kinds(accumulator.target_variables)

@@ -10,6 +10,9 @@ of the data, and raising the errors the jitted step can only record.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -18,6 +21,7 @@ from gradaccum import adapter
 from gradaccum._validation import accumulator_dtype_name
 from gradaccum.adapter import Findings
 from gradaccum.backends.jax import retry
+from gradaccum.backends.jax.own_step import Applier
 from gradaccum.backends.jax.record import Carry, FitRecord
 from gradaccum.backends.jax.state import AccumulationState, layouts_of, window_prefix
 from gradaccum.backends.jax.step import ERROR_KEY, TrainStep
@@ -60,7 +64,8 @@ def check_accumulator_dtype(accumulator_dtype) -> str:
     """The accumulator dtype's name, refused where JAX does not compute in it
     (float64 without 64-bit mode)."""
     name = accumulator_dtype_name(accumulator_dtype)
-    if name == "float64" and not jax.config.jax_enable_x64:
+    # JAX's Config sets its flags as attributes at run time; its hints do not list them.
+    if name == "float64" and not jax.config.jax_enable_x64:  # type: ignore[attr-defined]
         raise ValueError(
             "`accumulator_dtype` must be a dtype JAX computes in: float64 needs "
             "jax.config.update('jax_enable_x64', True) before the model is made "
@@ -85,16 +90,16 @@ class Accumulation(adapter.Accumulation):
     Options = Options
     splits_own_step = False
 
-    def __init__(self, options: Options, layers):
+    def __init__(self, options: CoreOptions, layers):
         super().__init__(options, layers)
         self.state: AccumulationState | None = None
         self.step: TrainStep | None = None
-        self._variables = []
+        self._variables: list = []
         # micro_batch_size="auto": the step compiled for each size tried.
-        self._sized_steps = {}
+        self._sized_steps: dict[tuple[int, bool], Any] = {}
         # Whether a compiled call's logs showed the step's error flag (raised in
         # the fit's thread).
-        self._pending_error = None
+        self._pending_error: bool | None = None
         # close_eagerly's jitted closes, for the step they were made for (a fit
         # whose data ends each epoch compiles them once, not once per epoch).
         self._closers: tuple = (None, {})
@@ -145,6 +150,7 @@ class Accumulation(adapter.Accumulation):
             self.host.train_function = None
 
     def fit_field(self, name: str):
+        assert self.state is not None, "called with a state"
         return self.state.named()[name]
 
     def saved_variables(self) -> dict:
@@ -155,6 +161,7 @@ class Accumulation(adapter.Accumulation):
         return [("", self._variables, ())]
 
     def window_values(self, name: str) -> list:
+        assert self.state is not None, "called with a state (adapter.Accumulation checks)"
         named = self.state.named()
         return [int(named[window_prefix(j) + name].numpy()) for j in range(self.state.records)]
 
@@ -182,9 +189,12 @@ class Accumulation(adapter.Accumulation):
         compiled as Keras compiles its own (the state donated where `donate`, laid
         out as `state`, the trainer's, is)."""
         if (size, donate) not in self._sized_steps:
-            self._sized_steps[size, donate] = retry.compiled(
-                self.host, lambda state, data: self.step(state, data, size), state, donate
-            )
+
+            def sized(state, data):
+                assert self.step is not None, "made by make_train_function"
+                return self.step(state, data, size)
+
+            self._sized_steps[size, donate] = retry.compiled(self.host, sized, state, donate)
         return self._sized_steps[size, donate]
 
     def train_step(self, state, data):
@@ -252,6 +262,7 @@ class Accumulation(adapter.Accumulation):
         applied when `apply` and it holds an accepted micro-batch, else dropped.
         Returns whether an update happened."""
         step = self.step
+        assert step is not None, "made by end_of_data"
         if not step.appliers_known:
             self.warn_appliers_unknown()
             return False
@@ -268,6 +279,7 @@ class Accumulation(adapter.Accumulation):
         follower = self.follower
         if not follower:
             return
+        assert self.state is not None, "called with a state"
         named = self.state.named()
         start = [(mean.value, variance.value) for mean, variance in follower.moving()]
         statistics, values = follower.step({n: named[n].value for n in follower.names()},
@@ -283,8 +295,10 @@ class Accumulation(adapter.Accumulation):
         applied an update (None: its window was empty)."""
         model = self.host
         optimizer = applier.optimizer
-        ours = self.state.carried()
-        window = self.state.unpack({name: v.value for name, v in ours.items()})
+        state = self.state
+        assert state is not None, "called with a state"
+        ours = state.carried()
+        window = state.unpack({name: v.value for name, v in ours.items()})
         prefix = window_prefix(index)
         if int(window[prefix + "micro_step"]) + int(window[prefix + "window_skipped"]) == 0:
             return None
@@ -297,7 +311,7 @@ class Accumulation(adapter.Accumulation):
             v.assign(value)
         for v, value in zip(optimizer.variables, optimizer_variables):
             v.assign(value)
-        for name, value in self.state.pack(window).items():
+        for name, value in state.pack(window).items():
             ours[name].assign(value)
         return bool(applied)
 
@@ -337,6 +351,7 @@ class Accumulation(adapter.Accumulation):
     def raise_step_error(self) -> None:
         """Raises the error the jitted step recorded (and clears it)."""
         state = self.state
+        assert state is not None, "called with a state"
         error = int(state.error.numpy())
         if not error:
             return
@@ -352,6 +367,7 @@ class Accumulation(adapter.Accumulation):
     # Logs ---------------------------------------------------------------------------
 
     def last_window(self) -> tuple:
+        assert self.state is not None, "called with a state"
         named = self.state.named()
         if self.step is not None and self.step.appliers:
             index = self.step.primary_index
@@ -373,7 +389,8 @@ class Accumulation(adapter.Accumulation):
         if self.state is None:
             return []
         named = self.state.named()
-        appliers = self.step.appliers if self.step is not None else {}
+        appliers: Mapping[int, Applier | None] = (
+            self.step.appliers if self.step is not None else {})
         if not appliers:
             appliers = {0: None}
         pairs = []

@@ -23,7 +23,7 @@ optimizers carries theirs in that place of the state (its `_get_jax_state` and
 from __future__ import annotations
 
 import contextlib
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +42,7 @@ class Applier(NamedTuple):
     variables it updates, and which of those it receives no gradient for (`None`
     in the step, skipped by Keras's optimizers as they are)."""
 
-    optimizer: object
+    optimizer: Any  # a keras.optimizers.Optimizer
     optimizer_slots: tuple
     variable_slots: tuple
     no_gradient: frozenset = frozenset()
@@ -192,9 +192,9 @@ class Handover:
         self.position = {id(t): i for i, t in enumerate(carry.trainable)}
         self.slot = {id(v): i for i, v in enumerate(carry.optimizer)}
         # The record index of each optimizer the step handed gradients to, in order.
-        self.appliers = {}
-        self.accepted = []
-        self.outcomes = []
+        self.appliers: dict[int, Applier] = {}
+        self.accepted: list = []
+        self.outcomes: list = []
 
     def recorder(self, name, optimizer):
         known = [i for i, other in enumerate(self.step.optimizers) if other is optimizer]
@@ -247,14 +247,15 @@ class Handover:
                 "`_get_jax_state`). Received: optimizer variables that are not the "
                 f"state's in {step_name}."
             )
-        places = [self.position.get(id(v)) for v in variables]
-        if None in places:
+        found = [self.position.get(id(v)) for v in variables]
+        if None in found:
             raise ValueError(
                 "A model's own `train_step` must hand "
                 f"`self.{name}.stateless_apply` the trainable variables of the step's "
                 "`state` as it received them, for gradaccum to update them when a "
                 f"window closes. Received: a value computed from them in {step_name}."
             )
+        places = [p for p in found if p is not None]  # all of them (checked above)
         for applier in self.appliers.values():
             shared = set(places) & set(applier.variable_slots)
             if shared:

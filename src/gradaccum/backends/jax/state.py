@@ -3,6 +3,8 @@ in the trainer's state."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax.numpy as jnp
 import keras
 import numpy as np
@@ -27,15 +29,23 @@ class Packed:
         weight_dtype: the dtype of the weight fields.
     """
 
-    def layout(self, declared, terms: int, weight_dtype: str, variables: int = 0,
-               channels=None) -> dict:
+    # Set by the subclass: the sums (`accumulator_<i>`) and the two packed vectors.
+    accumulators: list
+    counts: Any
+    weights: Any
+    # Set by `layout`: the fields in order, and each one's place.
+    fields: tuple[str, ...]
+    places: dict[str, tuple[str, int, tuple[int, ...], str]]
+
+    def layout(self, declared: list[tuple[str, StateField]], terms: int, weight_dtype: str,
+               variables: int = 0, channels: dict[str, int] | None = None) -> dict:
         """Sets each field's place `(vector, start, shape, dtype)` and returns each
         vector's initial values (`terms`: a `ratios` field's length; `variables`: a
         `per_variable` field's; `channels`: a `per_channel` field's, by name)."""
         channels = channels or {}
         self.fields = tuple(name for name, _ in declared)
         self.places = {}
-        initial = {"counts": [], "weights": []}
+        initial: dict[str, list] = {"counts": [], "weights": []}
         for name, field in declared:
             vector = ("weights" if field.kind in ("weight", "ratios", "per_variable",
                                                   "per_channel")
@@ -49,7 +59,7 @@ class Packed:
             initial[vector] += [field.initial] * (shape[0] if shape else 1)
         return initial
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Field:
         # A field by name (`state.micro_step.numpy()`): its view.
         places = self.__dict__.get("places")
         if places is not None and name in places:
@@ -68,7 +78,7 @@ class Packed:
         _, start, shape, _ = self.places[field]
         return slice(start, start + (shape[0] if shape else 1))
 
-    def read(self, vectors: dict, field: str):
+    def read(self, vectors: dict, field: str) -> Any:
         """`field`'s value out of `vectors` (`counts` and `weights` by name), in its
         own shape and dtype."""
         vector, _, shape, dtype = self.places[field]
@@ -189,20 +199,20 @@ class Field:
     """One field of an `AccumulationState`, read from and written to its packed
     vector as a variable would be (outside the jitted step)."""
 
-    def __init__(self, state: Packed, name: str):
+    def __init__(self, state: Packed, name: str) -> None:
         self.state = state
         self.name = name
         self.vector, _, self.shape, self.dtype = state.places[name]
 
     @property
-    def value(self):
+    def value(self) -> Any:
         state = self.state
         return state.read({self.vector: getattr(state, self.vector).value}, self.name)
 
-    def numpy(self):
+    def numpy(self) -> np.ndarray:
         return np.asarray(self.value)
 
-    def assign(self, value) -> None:
+    def assign(self, value: Any) -> None:
         variable = getattr(self.state, self.vector)
         packed = np.array(variable.numpy())
         packed[self.state.span(self.name)] = np.reshape(np.asarray(value), (-1,)).astype(

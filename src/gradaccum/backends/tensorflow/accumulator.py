@@ -11,7 +11,13 @@ precision and batch normalization all go through this class.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
 from gradaccum._tf import require_tensorflow
+
+if TYPE_CHECKING:  # pragma: no cover
+    import keras
 
 require_tensorflow()
 
@@ -38,6 +44,7 @@ from gradaccum.backends.tensorflow.state import AccumulatorState, Untracked  # n
 from gradaccum.backends.tensorflow.window import WindowRule  # noqa: E402
 from gradaccum.core import transitions as tr  # noqa: E402
 from gradaccum.core.combine import REDUCTIONS, combine  # noqa: E402
+from gradaccum.core.options import DType, Nonfinite, Steps  # noqa: E402
 from gradaccum.core.screening import warn_skipped  # noqa: E402
 
 __all__ = ["GradientAccumulator", "NONFINITE", "REDUCTIONS"]
@@ -167,16 +174,16 @@ class GradientAccumulator(tf.Module):
 
     def __init__(
         self,
-        variables,
+        variables: Sequence[Any],
         *,
-        steps=None,
+        steps: Steps | WindowRule | None = None,
         weight_per_update: float | None = None,
         reduction: str = "mean",
-        accumulator_dtype="float32",
-        layers=None,
-        nonfinite="skip",
+        accumulator_dtype: DType = "float32",
+        layers: Any = None,
+        nonfinite: Nonfinite = "skip",
         name: str = "gradient_accumulator",
-    ):
+    ) -> None:
         super().__init__(name=name)
         variables = check_variables(variables)
         # The fit integration passes the WindowRule it checked already.
@@ -208,7 +215,7 @@ class GradientAccumulator(tf.Module):
     # Read-only views -------------------------------------------------------------
 
     @property
-    def steps(self):
+    def steps(self) -> Any:
         """Micro-batches per window used by `step`: an int, the schedule as given
         (a callable, or the pairs as a tuple), or None."""
         return self._rule.steps
@@ -245,7 +252,7 @@ class GradientAccumulator(tf.Module):
         return self._accumulator_dtype
 
     @property
-    def nonfinite(self):
+    def nonfinite(self) -> Nonfinite:
         """What happens to a micro-batch with a non-finite gradient (a name or the
         user's callable)."""
         return self._nonfinite
@@ -298,17 +305,17 @@ class GradientAccumulator(tf.Module):
                 named[f"batch_norm_{i}_{field}"] = getattr(layer, field)
         return named
 
-    def window_length(self):
+    def window_length(self) -> Any:
         """Micro-batches in the open window, skipped ones included (int64 tensor)."""
         return tr.window_length(self._record())
 
-    def window_due(self):
+    def window_due(self) -> Any:
         """Whether the open window is due (a boolean tensor): it holds `steps`
         micro-batches (the schedule's length for this window), or its total weight
         reached `weight_per_update`. False without either."""
         return tr.due(self._policy.value, self._record())
 
-    def _record(self, optimizer=None, direct=False):
+    def _record(self, optimizer: Any = None, direct: bool = False) -> VariableRecord:
         """The window record the state machine reads and writes (the replicas'
         under a strategy)."""
         if tf.distribute.has_strategy():
@@ -317,7 +324,13 @@ class GradientAccumulator(tf.Module):
 
     # Accumulation ----------------------------------------------------------------
 
-    def accumulate(self, gradients, weight=1.0, *, loss_scale_optimizer=None):
+    def accumulate(
+        self,
+        gradients: Sequence[Any],
+        weight: Any = 1.0,
+        *,
+        loss_scale_optimizer: keras.optimizers.LossScaleOptimizer | None = None,
+    ) -> Any:
         """Adds one micro-batch's gradients with its weight.
 
         Args:
@@ -343,7 +356,13 @@ class GradientAccumulator(tf.Module):
         """
         return self._add(gradients, weight, self._reduction == "mean", loss_scale_optimizer)
 
-    def accumulate_weighted(self, weighted_gradients, weight, *, loss_scale_optimizer=None):
+    def accumulate_weighted(
+        self,
+        weighted_gradients: Sequence[Any],
+        weight: Any,
+        *,
+        loss_scale_optimizer: keras.optimizers.LossScaleOptimizer | None = None,
+    ) -> Any:
         """Adds one micro-batch's gradients that already carry its weight.
 
         For reduction `"mean"`, pass the gradient of `weight * loss` (scale the loss,
@@ -365,13 +384,15 @@ class GradientAccumulator(tf.Module):
         """
         return self._add(weighted_gradients, weight, False, loss_scale_optimizer)
 
-    def _add(self, gradients, weight, scale: bool, loss_scale_optimizer=None):
+    def _add(self, gradients: Sequence[Any], weight: Any, scale: bool,
+             loss_scale_optimizer: Any = None) -> Any:
         return self._run(gradients, weight, weighted=not scale,
                          loss_scale_optimizer=loss_scale_optimizer)
 
-    def _run(self, gradients, weight, *, weighted, loss_scale_optimizer=None,
-             optimizer=None, policy=None, end=None, fit=None, direct=False, record=None,
-             unit=None):
+    def _run(self, gradients: Sequence[Any], weight: Any, *, weighted: bool,
+             loss_scale_optimizer: Any = None, optimizer: Any = None,
+             policy: tr.Policy | None = None, end: Any = None, fit: Any = None,
+             direct: bool = False, record: Any = None, unit: Any = None) -> Any:
         """One micro-batch through the state machine (`core.transitions.micro_batch`):
         accumulated, and where `optimizer` is given, the window closed when it is
         due (or, with `end`, as `policy.partial` says at the end of the data).
@@ -414,7 +435,7 @@ class GradientAccumulator(tf.Module):
         self._warn_if_skipped(accepted)
         return accepted
 
-    def _warn_if_skipped(self, accepted) -> None:
+    def _warn_if_skipped(self, accepted: Any) -> None:
         """Eagerly, under nonfinite="skip": the warning of a skipped micro-batch."""
         if tf.executing_eagerly() and self._nonfinite == "skip" and not bool(accepted):
             self._warn_skipped()
@@ -452,7 +473,7 @@ class GradientAccumulator(tf.Module):
         normalization layers."""
         tr.reset(VariableRecord(self))
 
-    def apply(self, optimizer):
+    def apply(self, optimizer: keras.optimizers.Optimizer) -> Any:
         """Applies the combined gradient of the open window, then resets.
 
         A full or a partial window is normalized by its own weights (never scaled by
@@ -468,7 +489,7 @@ class GradientAccumulator(tf.Module):
         """
         return self.apply_if(optimizer, True)
 
-    def apply_if(self, optimizer, condition):
+    def apply_if(self, optimizer: keras.optimizers.Optimizer, condition: Any) -> Any:
         """Applies and resets when `condition` holds and the window is not empty.
 
         Graph-safe (`tf.cond`); the building block of `step` and of partial-window
@@ -486,19 +507,20 @@ class GradientAccumulator(tf.Module):
         return tr.apply_now(self._policy.value, self._record(optimizer),
                             tf.cast(condition, tf.bool))
 
-    def close(self, optimizer, apply, close, fit=None):
+    def close(self, optimizer: keras.optimizers.Optimizer, apply: Any, close: Any,
+              fit: Any = None) -> Any:
         """Closes the open window when `close`, applying it when `apply` (the
         decisions of `gradaccum.core.transitions.decide`); `fit`: the fit's record
         (its largest window). Returns whether an update happened."""
         self._ready(optimizer)
         return tr.close(self._policy.value, self._record(optimizer), apply, close, fit=fit)
 
-    def drop(self):
+    def drop(self) -> Any:
         """Discards the open window if it holds a micro-batch (`partial="drop"` at the
         end of the data); returns whether it did."""
         return tr.drop(self._record())
 
-    def _ready(self, optimizer) -> None:
+    def _ready(self, optimizer: Any) -> None:
         """The optimizer checked and built before a window it applies closes."""
         if tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context():
             if not getattr(optimizer, "built", True):
@@ -509,7 +531,8 @@ class GradientAccumulator(tf.Module):
             return
         self._prepare_optimizer(optimizer)
 
-    def step(self, optimizer, gradients, weight=1.0):
+    def step(self, optimizer: keras.optimizers.Optimizer, gradients: Sequence[Any],
+             weight: Any = 1.0) -> Any:
         """Accumulates a micro-batch, and applies when the window is due: `steps`
         micro-batches are in (the schedule's length for this window), or the
         window's total weight reached `weight_per_update`.
@@ -538,7 +561,7 @@ class GradientAccumulator(tf.Module):
 
     # Internals -------------------------------------------------------------------
 
-    def _prepare_optimizer(self, optimizer) -> None:
+    def _prepare_optimizer(self, optimizer: Any) -> None:
         check_optimizer(optimizer)
         if not getattr(optimizer, "built", True):
             # Create the slots outside any `tf.cond` branch.

@@ -16,6 +16,8 @@ behaves exactly as Keras's layer.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -29,7 +31,7 @@ _REFUSED = {
 }
 
 
-def power_sums(count, mean, variance):
+def power_sums(count: Any, mean: Any, variance: Any) -> Any:
     """A group's statistics per channel (its count, mean and biased variance) as
     float64 power sums stacked flat: the count, the sum and the sum of squares.
 
@@ -44,7 +46,7 @@ def power_sums(count, mean, variance):
     return tf.concat([count, count * mean, count * (variance + tf.square(mean))], axis=0)
 
 
-def moments_of(sums):
+def moments_of(sums: Any) -> tuple[Any, Any, Any]:
     """The (count, mean, biased variance) of summed `power_sums`, in float64 (the
     caller casts where it uses them); an empty group has mean and variance 0."""
     count, total, squares = tf.split(sums, 3)
@@ -58,7 +60,7 @@ def moments_of(sums):
 SLOT_FIELDS = 4
 
 
-def pool_replicas(gathered, replicas: int):
+def pool_replicas(gathered: Any, replicas: int) -> tuple[Any, Any, Any]:
     """The global window's (count, mean, biased variance), float64, from the
     replicas' `_replica_slots` summed across replicas (each replica wrote its row:
     the sum gathers them). Pooled exactly, with the spread between the replicas'
@@ -139,7 +141,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
     # Window-aware itself: not followed by `core.moving_statistics`.
     _gradaccum_window_aware = True
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         _check_options(
             {"renorm": self.renorm, "synchronized": self.synchronized}, self.name
@@ -147,11 +149,11 @@ class BatchNormalization(keras.layers.BatchNormalization):
         # Whether an accumulator drives the layer: read when a step is traced.
         self._accumulated = False
 
-    def build(self, input_shape):
+    def build(self, input_shape: Any) -> None:
         super().build(input_shape)
         channels = (input_shape[self.axis],)
 
-        def state(name, shape):
+        def state(name: str, shape: tuple[int, ...]) -> Any:
             # Replica-local under a strategy: each replica pools its own shares.
             return kc.add_replica_local_weight(self, name, shape, "float64")
 
@@ -165,7 +167,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
         self.window_sum = state("window_sum", channels)
         self.window_square = state("window_square", channels)
 
-    def call(self, inputs, training=None, mask=None):
+    def call(self, inputs: Any, training: bool | None = None, mask: Any = None) -> Any:
         if not (training and self.trainable and self._accumulated):
             return super().call(inputs, training=training, mask=mask)
         if mask is not None and len(mask.shape) != len(inputs.shape) - 1:
@@ -194,7 +196,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
 
     # Window statistics ----------------------------------------------------------
 
-    def _count(self, inputs, mask):
+    def _count(self, inputs: Any, mask: Any) -> Any:
         """Elements per channel that the micro-batch's moments average over."""
         if mask is None:
             channels = tf.shape(inputs)[self.axis]
@@ -205,7 +207,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
                                   tf.shape(inputs))
         return tf.reduce_sum(weights, axis=kc.batch_norm_reduction_axes(self))
 
-    def _across_replicas(self, count, mean, variance):
+    def _across_replicas(self, count: Any, mean: Any, variance: Any) -> tuple[Any, Any, Any]:
         """synchronized=True: the micro-batch's statistics over every replica's
         share, in one all-reduce of its power sums (the replica's own on one)."""
         context = tf.distribute.get_replica_context()
@@ -216,47 +218,47 @@ class BatchNormalization(keras.layers.BatchNormalization):
         )
         return moments_of(summed)
 
-    def _record(self, count, mean, variance):
+    def _record(self, count: Any, mean: Any, variance: Any) -> None:
         """Adds a forward pass's statistics to the micro-batch's (a micro-batch may
         take several forward passes)."""
         sums = tf.split(power_sums(count, mean, variance), 3)
         for variable, value in zip(self._micro(), sums):
             variable.assign_add(value)
 
-    def _micro(self):
+    def _micro(self) -> tuple[Any, Any, Any]:
         return self.micro_count, self.micro_sum, self.micro_square
 
-    def _window(self):
+    def _window(self) -> tuple[Any, Any, Any]:
         return self.window_count, self.window_sum, self.window_square
 
-    def _accept_micro_batch(self):
+    def _accept_micro_batch(self) -> None:
         """The micro-batch's gradient was accumulated: pool its statistics."""
         for window, micro in zip(self._window(), self._micro()):
             window.assign_add(micro.value)
         self._discard_micro_batch()
 
-    def _discard_micro_batch(self):
+    def _discard_micro_batch(self) -> None:
         for variable in self._micro():
             variable.assign(tf.zeros_like(variable))
 
     # Saving: the layer's own file entries are Keras's ------------------------------
 
-    def _state_variables(self):
+    def _state_variables(self) -> tuple[Any, ...]:
         return (*self._micro(), *self._window())
 
-    def _keras_variables(self):
+    def _keras_variables(self) -> list:
         state = {id(v) for v in self._state_variables()}
         every = kc.own_variables(self)
         return [v for v in every if id(v) not in state]
 
-    def save_own_variables(self, store):
+    def save_own_variables(self, store: Any) -> None:
         # Gamma, beta and the moving statistics, in Keras's order, so that weight
         # files move between this layer and Keras's. The pending window is saved
         # by `wrap`'s model (and by `tf.train.Checkpoint` in custom loops).
         for i, variable in enumerate(self._keras_variables()):
             store[f"{i}"] = variable
 
-    def load_own_variables(self, store):
+    def load_own_variables(self, store: Any) -> None:
         variables = self._keras_variables()
         if len(store.keys()) != len(variables):
             raise ValueError(
@@ -269,7 +271,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
         # The pending window is accumulation state: it is restored (or kept) with
         # the accumulators, by whoever restores those.
 
-    def _replica_slots(self, replica, replicas: int, dtype):
+    def _replica_slots(self, replica: Any, replicas: int, dtype: Any) -> Any:
         """This replica's window as (count, mean, m2) per channel in its own row of
         a zero [replicas, SLOT_FIELDS, channels] block, flat: summed across replicas
         (the update's one reduction, whose tensors share one dtype) it gathers every
@@ -287,7 +289,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
     def _replica_slots_size(self, replicas: int) -> int:
         return replicas * SLOT_FIELDS * int(self.moving_mean.shape[0])
 
-    def _commit_window(self, moments=None):
+    def _commit_window(self, moments: tuple[Any, Any, Any] | None = None) -> None:
         """The optimizer updated: the moving statistics move once, from the window's
         (count, mean, variance) (`moments`: the global window's under several
         replicas; None: this layer's own window), then the window resets."""
@@ -304,13 +306,13 @@ class BatchNormalization(keras.layers.BatchNormalization):
             moving.assign(tf.cast(tf.where(recorded, updated, current), moving.dtype))
         self._reset_window()
 
-    def _reset_window(self):
+    def _reset_window(self) -> None:
         for variable in (*self._window(), *self._micro()):
             variable.assign(tf.zeros_like(variable))
 
 
 @contextlib.contextmanager
-def driving(layers):
+def driving(layers: Iterable[BatchNormalization]) -> Iterator[None]:
     """Within the block (a training step being traced), `layers` record window
     statistics."""
     previous = [layer._accumulated for layer in layers]
@@ -323,7 +325,7 @@ def driving(layers):
             layer._accumulated = value
 
 
-def batch_normalization_layers(layers) -> list[BatchNormalization]:
+def batch_normalization_layers(layers: Any) -> list[BatchNormalization]:
     """The `gradaccum.BatchNormalization` layers in `layers` (models or layers)."""
     if layers is None:
         return []
@@ -342,13 +344,13 @@ def batch_normalization_layers(layers) -> list[BatchNormalization]:
     return found
 
 
-def _plain_batch_normalization(layer) -> bool:
+def _plain_batch_normalization(layer: Any) -> bool:
     return isinstance(layer, keras.layers.BatchNormalization) and not isinstance(
         layer, BatchNormalization
     )
 
 
-def convert_batch_normalization(model):
+def convert_batch_normalization(model: keras.Model) -> keras.Model:
     """A copy of `model` whose Keras BatchNormalization layers are gradaccum's.
 
     Every layer is cloned (nested Sequential and functional models too) and its
@@ -392,7 +394,7 @@ def convert_batch_normalization(model):
             _check_options(layer.get_config(), layer.name)
     pairs = []
 
-    def clone(layer):
+    def clone(layer: Any) -> Any:
         if _plain_batch_normalization(layer):
             new = BatchNormalization.from_config(layer.get_config())
         else:

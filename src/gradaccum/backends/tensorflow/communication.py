@@ -8,6 +8,8 @@ benchmarks check that an update costs one reduction whatever `steps` is.
 
 from __future__ import annotations
 
+from typing import Any
+
 from gradaccum._tf import require_tensorflow
 
 require_tensorflow()
@@ -15,7 +17,7 @@ require_tensorflow()
 import tensorflow as tf  # noqa: E402
 
 
-def _payload_bytes(values) -> int:
+def _payload_bytes(values: list) -> int:
     total = 0
     for value in values:
         component = value.values[0] if hasattr(value, "values") else value
@@ -57,7 +59,7 @@ class CountingCrossDeviceOps(tf.distribute.CrossDeviceOps):
         (1, 1, 16)
     """
 
-    def __init__(self, inner=None):
+    def __init__(self, inner: tf.distribute.CrossDeviceOps | None = None) -> None:
         if inner is not None and not isinstance(inner, tf.distribute.CrossDeviceOps):
             raise ValueError(
                 "`inner` must be a tf.distribute.CrossDeviceOps. "
@@ -76,22 +78,24 @@ class CountingCrossDeviceOps(tf.distribute.CrossDeviceOps):
         for counter in (self.reductions, self.tensors, self.bytes):
             counter.assign(0)
 
-    def _count(self, values) -> None:
+    def _count(self, values: list) -> None:
         self.reductions.assign_add(1)
         self.tensors.assign_add(len(values))
         self.bytes.assign_add(_payload_bytes(values))
 
-    def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
+    def reduce_implementation(self, reduce_op: Any, per_replica_value: Any, destinations: Any,
+                              options: Any) -> Any:
         self._count([per_replica_value])
         return self._inner.reduce_implementation(
             reduce_op, per_replica_value, destinations, options
         )
 
-    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
+    def batch_reduce_implementation(self, reduce_op: Any, value_destination_pairs: Any,
+                                    options: Any) -> Any:
         self._count([value for value, _ in value_destination_pairs])
         return self._inner.batch_reduce_implementation(
             reduce_op, value_destination_pairs, options
         )
 
-    def broadcast_implementation(self, tensor, destinations):
+    def broadcast_implementation(self, tensor: Any, destinations: Any) -> Any:
         return self._inner.broadcast_implementation(tensor, destinations)

@@ -20,6 +20,8 @@ and the log entries packed in the step (`logs.py`).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -91,10 +93,10 @@ class Accumulation(adapter.Accumulation):
 
     Options = Options
 
-    def __init__(self, options: Options, layers):
+    def __init__(self, options: CoreOptions, layers):
         super().__init__(options, layers)
         self.state: FitState | None = None
-        self._end_of_data_function = None
+        self._end_of_data_function: Callable[[], Any] | None = None
         # What runs the host's own `train_step` with its optimizer calls accumulated.
         self.own_step = OwnStep(self)
         # Split mode: whether XLA compiles each micro-batch (the host's jit_compile).
@@ -298,11 +300,13 @@ class Accumulation(adapter.Accumulation):
         """Each accumulator's variables with the prefix of its names in
         `saved_variables`: the exact step's, then a model's own step's."""
         state = self.state
+        assert state is not None, "called with a state (adapter.Accumulation checks)"
         pairs = [] if state.accumulator is None else [("", state.accumulator)]
         pairs += [(f"own_{j}_", acc) for j, (acc, _) in enumerate(state.own)]
         return [(prefix, acc.target_variables, ("received",)) for prefix, acc in pairs]
 
     def window_values(self, name: str) -> list:
+        assert self.state is not None, "called with a state (adapter.Accumulation checks)"
         return [int(getattr(acc.state, name).numpy()) for acc in self.state.accumulators()]
 
     # Logs --------------------------------------------------------------------------

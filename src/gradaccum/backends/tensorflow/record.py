@@ -257,8 +257,8 @@ def error_parts(code: str, micro_batch, at, value=None) -> list:
         words = screening.RAISE_WORDS
         return [words[0], micro_batch, words[1], at, words[2]]
     if code == "negative_weight":
-        words = tr.error_message("negative_weight", at="\x00").split("\x00")
-        return [words[0], at, words[1]]
+        around = tr.error_message("negative_weight", at="\x00").split("\x00")
+        return [around[0], at, around[1]]
     return [f"{tr.SCHEDULE_RULE} Received:", value, "for update_index=", at]
 
 

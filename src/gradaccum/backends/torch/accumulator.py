@@ -10,7 +10,10 @@ micro-batch does to the window is `gradaccum.core.transitions`, the state machin
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
+import keras
 import torch
 
 from gradaccum import _keras_common as kc
@@ -30,6 +33,7 @@ from gradaccum.backends.torch.record import WindowRecord, tensor, truth
 from gradaccum.backends.torch.state import TorchState
 from gradaccum.core import transitions as tr
 from gradaccum.core.combine import REDUCTIONS, combine
+from gradaccum.core.options import DType, Nonfinite, Steps
 from gradaccum.core.screening import warn_skipped
 
 __all__ = ["GradientAccumulator"]
@@ -106,9 +110,10 @@ class GradientAccumulator:
         (2, 0)
     """
 
-    def __init__(self, variables, *, steps=None, weight_per_update=None, reduction="mean",
-                 accumulator_dtype="float32", nonfinite="skip", process_group="auto",
-                 name="gradient_accumulator"):
+    def __init__(self, variables: Sequence[Any], *, steps: Steps | None = None,
+                 weight_per_update: float | None = None, reduction: str = "mean",
+                 accumulator_dtype: DType = "float32", nonfinite: Nonfinite = "skip",
+                 process_group: Any = "auto", name: str = "gradient_accumulator") -> None:
         variables = check_variables(variables)
         self._rule = WindowRule(steps, weight_per_update)
         self.reduction = check_choice("reduction", reduction, REDUCTIONS)
@@ -125,13 +130,13 @@ class GradientAccumulator:
     # Read-only views ----------------------------------------------------------------
 
     @property
-    def steps(self):
+    def steps(self) -> Any:
         """Micro-batches per window used by `step` (an int, the schedule as given,
         or None)."""
         return self._rule.steps
 
     @property
-    def weight_per_update(self):
+    def weight_per_update(self) -> float | None:
         return self._rule.weight_per_update
 
     @property
@@ -144,7 +149,7 @@ class GradientAccumulator:
     def accumulators(self) -> list:
         return list(self.state.accumulators)
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         # The record's fields as variables: updates, micro_step, total_weight,
         # skipped, micro_batches, last_window_micro_batches, last_window_weight...
         state = self.__dict__.get("state")
@@ -161,7 +166,7 @@ class GradientAccumulator:
         optimizer's (a run restored in the middle of a window goes on exactly)."""
         return {name: v.value.detach().clone() for name, v in self.state.variables.items()}
 
-    def load_state_dict(self, state_dict) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restores what `state_dict` returned (names and shapes must match)."""
         variables = self.state.variables
         missing = sorted(set(variables) - set(state_dict))
@@ -182,16 +187,16 @@ class GradientAccumulator:
             with torch.no_grad():
                 variable.value.copy_(value.to(variable.value.device, variable.value.dtype))
 
-    def window_length(self):
+    def window_length(self) -> Any:
         """Micro-batches in the open window, skipped ones included."""
         return tr.window_length(self._record())
 
-    def window_due(self):
+    def window_due(self) -> Any:
         """Whether the open window is due (a boolean tensor)."""
         return tr.due(self.policy, self._record())
 
     @contextlib.contextmanager
-    def no_sync(self, module):
+    def no_sync(self, module: Any) -> Iterator[None]:
         """The context to run a micro-batch's forward and backward passes in:
         `module.no_sync()` for a `DistributedDataParallel` module (gradaccum makes the
         window's one all-reduce itself), nothing otherwise."""
@@ -203,12 +208,18 @@ class GradientAccumulator:
 
     # Accumulation ---------------------------------------------------------------------
 
-    def _record(self, optimizer=None, scaling=None):
+    def _record(self, optimizer: Any = None, scaling: Any = None) -> WindowRecord:
         return WindowRecord(self.state, 0, optimizer, self.target_variables,
                             range(len(self.target_variables)), reduce=self._reducer,
                             scaling=scaling)
 
-    def accumulate(self, gradients, weight=1.0, *, loss_scale_optimizer=None):
+    def accumulate(
+        self,
+        gradients: Sequence[Any],
+        weight: Any = 1.0,
+        *,
+        loss_scale_optimizer: keras.optimizers.LossScaleOptimizer | None = None,
+    ) -> Any:
         """Adds one micro-batch's gradients with its weight `w_i` (a scalar >= 0).
         `loss_scale_optimizer`: the LossScaleOptimizer whose `scale_loss` scaled the
         loss (the gradients are unscaled; a non-finite one is skipped). Returns
@@ -216,13 +227,20 @@ class GradientAccumulator:
         return self._run(gradients, weight, weighted=False,
                          loss_scale_optimizer=loss_scale_optimizer)
 
-    def accumulate_weighted(self, weighted_gradients, weight, *, loss_scale_optimizer=None):
+    def accumulate_weighted(
+        self,
+        weighted_gradients: Sequence[Any],
+        weight: Any,
+        *,
+        loss_scale_optimizer: keras.optimizers.LossScaleOptimizer | None = None,
+    ) -> Any:
         """Adds gradients that carry their weight already (of `weight * loss`),
         with `weight` to the total."""
         return self._run(weighted_gradients, weight, weighted=True,
                          loss_scale_optimizer=loss_scale_optimizer)
 
-    def step(self, optimizer, gradients, weight=1.0):
+    def step(self, optimizer: keras.optimizers.Optimizer, gradients: Sequence[Any],
+             weight: Any = 1.0) -> torch.Tensor:
         """Accumulates a micro-batch and applies when the window is due. Returns
         whether this call made an update (a boolean tensor)."""
         if self.steps is None and self.weight_per_update is None:
@@ -237,10 +255,12 @@ class GradientAccumulator:
         record = self._record(optimizer)
         self._run(gradients, weight, weighted=False, loss_scale_optimizer=scaled,
                   record=record, closes=True)
+        assert record.outcome is not None  # set by the micro-batch's transition
         return torch.as_tensor(truth(record.outcome.applied))
 
-    def _run(self, gradients, weight, *, weighted, loss_scale_optimizer=None, record=None,
-             closes=False):
+    def _run(self, gradients: Sequence[Any], weight: Any, *, weighted: bool,
+             loss_scale_optimizer: Any = None, record: WindowRecord | None = None,
+             closes: bool = False) -> Any:
         gradients = self._checked(gradients)
         weight = self._weight(weight)
         growth = None
@@ -267,7 +287,7 @@ class GradientAccumulator:
                 warn_skipped(1, stacklevel=4)
         return accepted
 
-    def _checked(self, gradients) -> list:
+    def _checked(self, gradients: Sequence[Any]) -> list:
         gradients = list(gradients)
         targets = self.target_variables
         if len(gradients) != len(targets):
@@ -283,7 +303,7 @@ class GradientAccumulator:
                 )
         return [None if g is None else tensor(g) for g in gradients]
 
-    def _weight(self, weight):
+    def _weight(self, weight: Any) -> torch.Tensor:
         try:
             value = tensor(weight).detach()
         except (TypeError, ValueError, RuntimeError):
@@ -293,7 +313,7 @@ class GradientAccumulator:
         check_weight_value(value.cpu().numpy())
         return value.reshape(()).float()
 
-    def _prepare(self, optimizer) -> None:
+    def _prepare(self, optimizer: Any) -> None:
         check_optimizer(optimizer)
         if not optimizer.built:
             optimizer.build(list(self.target_variables))
@@ -315,13 +335,13 @@ class GradientAccumulator:
         """Empties the open window."""
         tr.reset(self._record())
 
-    def apply(self, optimizer):
+    def apply(self, optimizer: keras.optimizers.Optimizer) -> Any:
         """Applies the open window (full or partial, normalized by its own weights)
         and empties it; nothing with an empty window. Returns whether an update
         happened (a boolean tensor)."""
         return self.apply_if(optimizer, True)
 
-    def apply_if(self, optimizer, condition):
+    def apply_if(self, optimizer: keras.optimizers.Optimizer, condition: Any) -> Any:
         """Applies and empties the window when `condition` holds (the same on every
         process under torch.distributed) and it holds a micro-batch."""
         self._prepare(optimizer)
@@ -329,7 +349,7 @@ class GradientAccumulator:
             return tr.apply_now(self.policy, self._record(optimizer, self._scaling),
                                 torch.as_tensor(truth(condition)))
 
-    def drop(self):
+    def drop(self) -> Any:
         """Discards the open window if it holds a micro-batch; returns whether it
         did."""
         return tr.drop(self._record())

@@ -97,11 +97,11 @@ class Accumulation(adapter.Accumulation):
     Options = Options
     splits_own_step = False
 
-    def __init__(self, options: Options, layers):
+    def __init__(self, options: CoreOptions, layers):
         super().__init__(options, layers)
         self.state: TorchState | None = None
         self.step: TrainStep | None = None
-        self._variables = []
+        self._variables: list = []
         self._noise = None
 
     def detach(self) -> None:
@@ -137,6 +137,7 @@ class Accumulation(adapter.Accumulation):
             self.host.train_function = None
 
     def fit_field(self, name: str):
+        assert self.state is not None, "called with a state"
         return self.state.variables[name]
 
     def saved_variables(self) -> dict:
@@ -146,6 +147,7 @@ class Accumulation(adapter.Accumulation):
         return [("", self._variables, ())]
 
     def window_values(self, name: str) -> list:
+        assert self.state is not None, "called with a state (adapter.Accumulation checks)"
         named = self.state.variables
         return [int(named[window_prefix(j) + name].numpy()) for j in range(self.state.records)]
 
@@ -231,6 +233,7 @@ class Accumulation(adapter.Accumulation):
     # Logs ---------------------------------------------------------------------------
 
     def last_window(self) -> tuple:
+        assert self.state is not None, "called with a state"
         named = self.state.variables
         appliers = self._appliers() or {0: (self.host.optimizer, None)}
         index = min(appliers)

@@ -79,11 +79,11 @@ class Handover:
         self.micro_batch = keras.utils.unpack_x_y_sample_weight(data)
         self.end = end
         self.step_name = step_name
-        self.appliers = {}
-        self.accepted = []
-        self.outcomes = []
+        self.appliers: dict[int, tuple] = {}
+        self.accepted: list = []
+        self.outcomes: list = []
         self.calls = 0
-        self.called = set()
+        self.called: set[int] = set()
         self.optimizers = [o for _, o in kc.named_optimizers(step.model)]
 
     def recorder(self, name, optimizer):

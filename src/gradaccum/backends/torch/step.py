@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
 
 import keras
 import torch
@@ -160,6 +161,7 @@ class TrainStep:
         """Window record `index`, applied by `optimizer` to `variables` (the
         model's optimizer and trainable variables by default)."""
         optimizer = self.model.optimizer if optimizer is None else optimizer
+        slots: Sequence[int]
         if variables is None:
             variables, slots = self.variables, range(len(self.variables))
         else:
