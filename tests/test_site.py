@@ -117,11 +117,11 @@ def test_the_api_reference_holds_every_public_name_and_no_private_module(site):
 
 
 def test_the_performance_page_shows_the_figures_drawn_from_the_record(site):
-    for name in ("throughput.png", "memory.png", "gpu.png"):
+    for name in ("throughput.png", "memory.png", "gpu.png", "backends.png"):
         figure = site / "figures" / name
         assert figure.exists() and figure.stat().st_size > 10_000, name
     text = (site / "performance" / "index.html").read_text()
-    for name in ("throughput", "memory", "gpu"):
+    for name in ("throughput", "memory", "gpu", "backends"):
         assert f"figures/{name}.png" in text, name
 
 
