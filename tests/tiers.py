@@ -637,6 +637,8 @@ SLOW = [
     "test_docs.py::test_documented_python_block_runs[docs/guides/keras-hub.md:0]",
     "test_docs.py::test_documented_python_block_runs[docs/guides/keras-hub.md:1]",
     "test_docs.py::test_documented_python_block_runs[docs/guides/own-step.md:2]",
+    # A recompile's loss and optimizer settings (JAX replayed the first trace).
+    "contract/test_fit.py::test_a_recompile_with_another_loss_and_optimizer_trains_with_them",
     # Issue 54: compilations per epoch (JAX; two fits of 4 epochs).
     "contract/test_host_reads.py::test_a_fit_whose_data_ends_each_epoch_compiles_nothing_after_its_first",
     # Issue 56: the type checker (mypy, about 30 s per run: the package, then the public

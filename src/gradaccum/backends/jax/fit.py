@@ -109,6 +109,7 @@ class Accumulation(adapter.Accumulation):
         self._untrack()
         self.state = None
         self.step = None
+        self._closers = (None, {})
 
     def _untrack(self) -> None:
         if self.state is not None:
@@ -146,6 +147,7 @@ class Accumulation(adapter.Accumulation):
         self._untrack()
         self.state = None
         self.step = None
+        self._closers = (None, {})
         if self.host is not None:
             self.host.train_function = None
 
@@ -173,6 +175,14 @@ class Accumulation(adapter.Accumulation):
             self.step = TrainStep(self.host, self.options, self.state, self.normalizers,
                                   own_step=self.own_train_step, follower=self.follower)
             force = True
+
+            # A new function object for Keras to jit: JAX keeps a function's trace
+            # by the function, so the one installed at attach would replay the step
+            # of the first compile after a recompile (its loss, its optimizer).
+            def train_step(state, data):
+                return self.train_step(state, data)
+
+            self.host.__dict__["train_step"] = train_step
         self.step.resumable = self.resumable
         if self.auto_size is not None:
             if force or self.host.train_function is None:
