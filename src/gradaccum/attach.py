@@ -21,7 +21,8 @@ from gradaccum import _backend, model_file, state_file
 from gradaccum import _keras_common as kc
 from gradaccum._validation import check_optimizer
 from gradaccum.adapter import ATTRIBUTE, Accumulation, accumulation_of
-from gradaccum.core.options import DType, Nonfinite, Steps, Weighting, documented, given
+from gradaccum.core.hints import DType, Integer, Nonfinite, Real, Steps, Weighting
+from gradaccum.core.options import documented, given
 from gradaccum.core.privacy import Privacy
 from gradaccum.core.privacy import check_model as check_private_model
 from gradaccum.weighting import record_normalizers
@@ -49,14 +50,14 @@ def accumulate(
     model: keras.Model,
     steps: Steps | None = None,
     *,
-    micro_batch_size: int | str | None = None,
-    max_micro_batch_size: int | None = None,
+    micro_batch_size: Integer | str | None = None,
+    max_micro_batch_size: Integer | None = None,
     weighting: Weighting = "exact",
     partial: str = "flush",
     reduction: str = "mean",
     accumulator_dtype: DType = "float32",
     nonfinite: Nonfinite = "skip",
-    weight_per_update: float | None = None,
+    weight_per_update: Real | None = None,
     moving_statistics: str = "window",
     privacy: Privacy | None = None,
 ) -> keras.Model:

@@ -26,8 +26,8 @@ from gradaccum._validation import check_choice, check_steps
 from gradaccum.adapter import Findings, accumulation_of
 from gradaccum.core import overwrite
 from gradaccum.core import transitions as tr
+from gradaccum.core.hints import Integer, Weighting
 from gradaccum.core.moving_statistics import unfollowable_reason, window_aware
-from gradaccum.core.options import Weighting
 from gradaccum.core.screening import skipped_message
 from gradaccum.weighting import uniform_message
 
@@ -108,7 +108,7 @@ class AuditReport:
         return "\n".join(lines)
 
 
-def audit(model: keras.Model, x: Any, y: Any = None, *, steps: int, batch_size: int,
+def audit(model: keras.Model, x: Any, y: Any = None, *, steps: Integer, batch_size: Integer,
           sample_weight: Any = None, weighting: Weighting = "exact",
           reduction: str = "mean") -> AuditReport:
     """Compares one window's accumulated gradient with the large batch's.
@@ -163,27 +163,27 @@ def audit(model: keras.Model, x: Any, y: Any = None, *, steps: int, batch_size: 
     from gradaccum.attach import accumulate, disable
 
     check_model(model)
-    steps = check_steps(steps)
-    batch_size = check_steps(batch_size, name="batch_size")
+    k: int = check_steps(steps)
+    size: int = check_steps(batch_size, name="batch_size")
     if not callable(weighting):
         check_choice("weighting", weighting, ("exact", "uniform"))
     check_choice("reduction", reduction, ("mean", "sum"))
     data = tuple(_as_arrays(part, name) for part, name in
                  ((x, "x"), (y, "y"), (sample_weight, "sample_weight")))
     samples = _samples(data[0])
-    if batch_size > samples:
+    if size > samples:
         raise ValueError(
             "`batch_size` must be at most the number of samples audited. Received: "
-            f"batch_size={batch_size} for {samples} samples"
+            f"batch_size={size} for {samples} samples"
         )
-    if -(-samples // batch_size) < steps:
+    if -(-samples // size) < k:
         raise ValueError(
             "`steps` micro-batches of `batch_size` samples must fit in the data "
-            f"audited. Received: steps={steps}, batch_size={batch_size} for {samples} "
-            f"samples ({-(-samples // batch_size)} micro-batches)"
+            f"audited. Received: steps={k}, batch_size={size} for {samples} "
+            f"samples ({-(-samples // size)} micro-batches)"
         )
-    end = min(steps * batch_size, samples)
-    bounds = [(start, min(start + batch_size, end)) for start in range(0, end, batch_size)]
+    end = min(k * size, samples)
+    bounds = [(start, min(start + size, end)) for start in range(0, end, size)]
     window = _sliced(data, 0, end)
     micro_batches = [_sliced(data, a, b) for a, b in bounds]
     sizes = [b - a for a, b in bounds]

@@ -19,16 +19,8 @@ import keras
 from gradaccum import _backend, state_file
 from gradaccum._validation import check_optimizer
 from gradaccum.adapter import ATTRIBUTE, Accumulation
-from gradaccum.core.options import (
-    NAMES,
-    DType,
-    Nonfinite,
-    Options,
-    Steps,
-    Weighting,
-    documented,
-    given,
-)
+from gradaccum.core.hints import DType, Integer, Nonfinite, Real, Steps, Weighting
+from gradaccum.core.options import NAMES, Options, documented, given
 from gradaccum.core.privacy import Privacy
 from gradaccum.core.privacy import check_model as check_private_model
 from gradaccum.core.window import PARTIALS  # noqa: F401 (re-exported)
@@ -65,15 +57,15 @@ class AccumulatingModel(keras.Model):
         model: keras.Model,
         *,
         steps: Steps | None = None,
-        micro_batch_size: int | str | None = None,
-        max_micro_batch_size: int | None = None,
+        micro_batch_size: Integer | str | None = None,
+        max_micro_batch_size: Integer | None = None,
         weighting: Weighting = "exact",
         partial: str = "flush",
         reduction: str = "mean",
         accumulator_dtype: DType = "float32",
         convert_batch_norm: bool = False,
         nonfinite: Nonfinite = "skip",
-        weight_per_update: float | None = None,
+        weight_per_update: Real | None = None,
         moving_statistics: str = "window",
         privacy: Privacy | None = None,
         **kwargs: Any,
@@ -273,15 +265,15 @@ def wrap(
     model: keras.Model,
     steps: Steps | None = None,
     *,
-    micro_batch_size: int | str | None = None,
-    max_micro_batch_size: int | None = None,
+    micro_batch_size: Integer | str | None = None,
+    max_micro_batch_size: Integer | None = None,
     weighting: Weighting = "exact",
     partial: str = "flush",
     reduction: str = "mean",
     accumulator_dtype: DType = "float32",
     convert_batch_norm: bool = False,
     nonfinite: Nonfinite = "skip",
-    weight_per_update: float | None = None,
+    weight_per_update: Real | None = None,
     moving_statistics: str = "window",
     privacy: Privacy | None = None,
 ) -> AccumulatingModel:

@@ -9,11 +9,12 @@ from __future__ import annotations
 import keras
 
 from gradaccum.adapter import accumulation_of
+from gradaccum.core.hints import Integer, Real
 from gradaccum.core.privacy import spent
 
 
-def privacy_spent(model: keras.Model, dataset_size: int | None = None,
-                  delta: float | None = None) -> float:
+def privacy_spent(model: keras.Model, dataset_size: Integer | None = None,
+                  delta: Real | None = None) -> float:
     """The epsilon spent by the updates `model` made so far with `gradaccum.Privacy`.
 
     Each update is counted as a Poisson sample of the dataset at the rate

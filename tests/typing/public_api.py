@@ -67,6 +67,26 @@ def accumulate_in_fit() -> float:
     return epsilon + gradaccum.privacy_spent(private, dataset_size=128, delta=1e-6)
 
 
+def numpy_values_and_other_schedules() -> keras.Model:
+    """What the checks admit, the hints admit: NumPy integers and floats, schedules
+    as lists of lists or an (n, 2) array, a callable."""
+    model = gradaccum.accumulate(make_model(), steps=np.int64(4),
+                                 weight_per_update=np.float32(64.0))
+    model = gradaccum.disable(model)
+    model = gradaccum.accumulate(model, steps=[[0, 1], [2, 4]])
+    model = gradaccum.disable(model)
+    model = gradaccum.accumulate(model, steps=np.array([[0, 1], [2, 4]]))
+    model = gradaccum.disable(model)
+    model = gradaccum.accumulate(model, steps=lambda update: 2 if update < 3 else 4,
+                                 micro_batch_size=np.int32(4),
+                                 max_micro_batch_size=np.int64(8))
+    gradaccum.Privacy(np.float32(1.0), np.float64(1.1), seed=np.int64(3),
+                      dataset_size=np.int64(64), delta=np.float32(1e-5))
+    x, y = data()
+    gradaccum.audit(make_model(), x, y, steps=np.int64(2), batch_size=np.int64(8))
+    return model
+
+
 def wrap_and_load(path: pathlib.Path) -> keras.Model:
     """`wrap` (and `AccumulatingModel`), `load_model`."""
     x, y = data()

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import inspect
 import textwrap
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import keras
 
@@ -24,6 +24,7 @@ from gradaccum._validation import (
     check_window_options,
 )
 from gradaccum.core.combine import REDUCTIONS
+from gradaccum.core.hints import DType, Nonfinite, Steps, Weighting
 from gradaccum.core.moving_statistics import MODES as MOVING_MODES
 from gradaccum.core.privacy import PRIVACY_FIELDS, Privacy, check_privacy
 from gradaccum.core.privacy import check_options as check_private_options
@@ -32,17 +33,7 @@ from gradaccum.core.window import PARTIALS, WindowSpec
 if TYPE_CHECKING:  # pragma: no cover
     from gradaccum.core.transitions import Policy
 
-# The options' values as the doors' type hints name them (`OPTIONS` says what each
-# means). Tensors, of every backend, are `Any`.
-#: `steps`: an int, `(from_update, k)` pairs, or a callable `update_index -> k`.
-Steps: TypeAlias = int | Sequence[tuple[int, int]] | Callable[[Any], Any]
-#: `weighting`: "exact", "uniform", or a callable `(x, y, sample_weight) -> weight`.
-Weighting: TypeAlias = str | Callable[[Any, Any, Any], Any]
-#: `nonfinite`: "skip", "raise", "apply", or a callable `gradients -> bool` (True skips).
-Nonfinite: TypeAlias = str | Callable[[Any], Any]
-#: `accumulator_dtype`: a dtype's name ("float32") or a backend's or NumPy's dtype.
-DType: TypeAlias = Any
-
+# The type hints of the options' values (`core/hints.py`), for the doors' signatures.
 _Function = TypeVar("_Function", bound=Callable[..., Any])
 
 

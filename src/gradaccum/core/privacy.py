@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import keras
 
 from gradaccum import _keras_common as kc
+from gradaccum.core.hints import Integer, Real
 
 if TYPE_CHECKING:  # pragma: no cover
     from gradaccum.adapter import Accumulation
@@ -99,23 +100,23 @@ class Privacy:
         True
     """
 
-    def __init__(self, l2_norm_clip: float, noise_multiplier: float, seed: int | None = None,
-                 *, dataset_size: int | None = None, delta: float | None = None,
+    def __init__(self, l2_norm_clip: Real, noise_multiplier: Real, seed: Integer | None = None,
+                 *, dataset_size: Integer | None = None, delta: Real | None = None,
                  accountant: str = "rdp") -> None:
-        if not _is_number(l2_norm_clip) or not math.isfinite(l2_norm_clip) \
-                or l2_norm_clip <= 0:
+        if not _is_number(l2_norm_clip) or not math.isfinite(clip := float(l2_norm_clip)) \
+                or clip <= 0:
             raise ValueError(
                 "`l2_norm_clip` must be a finite number > 0. "
                 f"Received: l2_norm_clip={l2_norm_clip!r}"
             )
-        if not _is_number(noise_multiplier) or not math.isfinite(noise_multiplier) \
-                or noise_multiplier < 0:
+        if not _is_number(noise_multiplier) \
+                or not math.isfinite(multiplier := float(noise_multiplier)) or multiplier < 0:
             raise ValueError(
                 "`noise_multiplier` must be a finite number >= 0. "
                 f"Received: noise_multiplier={noise_multiplier!r}"
             )
         if seed is not None and (not isinstance(seed, numbers.Integral)
-                                 or isinstance(seed, bool) or not 0 <= seed < 2**63):
+                                 or isinstance(seed, bool) or not 0 <= int(seed) < 2**63):
             raise ValueError(
                 f"`seed` must be an integer in [0, 2**63) or None. Received: seed={seed!r}"
             )
@@ -344,8 +345,8 @@ def epsilon(noise_multiplier: float, sampling_rate: float, updates: int, delta: 
     return float(ledger.get_epsilon(delta))
 
 
-def spent(accumulation: Accumulation, dataset_size: int | None = None,
-          delta: float | None = None) -> float:
+def spent(accumulation: Accumulation, dataset_size: Integer | None = None,
+          delta: Real | None = None) -> float:
     """`privacy_spent` of the accumulation a model trains with."""
     privacy = accumulation.options.privacy
     dataset_size = check_dataset_size(

@@ -31,7 +31,7 @@ from gradaccum.backends.jax.state import Packed
 from gradaccum.core import overwrite
 from gradaccum.core import transitions as tr
 from gradaccum.core.combine import REDUCTIONS
-from gradaccum.core.options import DType, Nonfinite, Steps
+from gradaccum.core.hints import DType, Nonfinite, Real, Steps
 from gradaccum.core.state import ERROR_FIELDS, FIT, WINDOW, accumulator_name
 
 __all__ = ["GradientAccumulator"]
@@ -124,7 +124,7 @@ class GradientAccumulator(Packed):
     """
 
     def __init__(self, variables: Sequence[Any], *, steps: Steps | None = None,
-                 weight_per_update: float | None = None, reduction: str = "mean",
+                 weight_per_update: Real | None = None, reduction: str = "mean",
                  accumulator_dtype: DType = "float32", nonfinite: Nonfinite = "skip",
                  name: str = "gradient_accumulator") -> None:
         from gradaccum.backends.jax.fit import WindowRule, check_accumulator_dtype

@@ -12,18 +12,16 @@ precision and batch normalization all go through this class.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gradaccum._tf import require_tensorflow
 
-if TYPE_CHECKING:  # pragma: no cover
-    import keras
-
 require_tensorflow()
 
+import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from gradaccum._validation import (  # noqa: E402  # noqa: E402
+from gradaccum._validation import (  # noqa: E402
     check_choice,
     check_loss_scale_optimizer,
     check_optimizer,
@@ -44,7 +42,7 @@ from gradaccum.backends.tensorflow.state import AccumulatorState, Untracked  # n
 from gradaccum.backends.tensorflow.window import WindowRule  # noqa: E402
 from gradaccum.core import transitions as tr  # noqa: E402
 from gradaccum.core.combine import REDUCTIONS, combine  # noqa: E402
-from gradaccum.core.options import DType, Nonfinite, Steps  # noqa: E402
+from gradaccum.core.hints import DType, Nonfinite, Real, Steps  # noqa: E402
 from gradaccum.core.screening import warn_skipped  # noqa: E402
 
 __all__ = ["GradientAccumulator", "NONFINITE", "REDUCTIONS"]
@@ -177,7 +175,7 @@ class GradientAccumulator(tf.Module):
         variables: Sequence[Any],
         *,
         steps: Steps | WindowRule | None = None,
-        weight_per_update: float | None = None,
+        weight_per_update: Real | None = None,
         reduction: str = "mean",
         accumulator_dtype: DType = "float32",
         layers: Any = None,

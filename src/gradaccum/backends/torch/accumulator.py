@@ -33,7 +33,7 @@ from gradaccum.backends.torch.record import WindowRecord, tensor, truth
 from gradaccum.backends.torch.state import TorchState
 from gradaccum.core import transitions as tr
 from gradaccum.core.combine import REDUCTIONS, combine
-from gradaccum.core.options import DType, Nonfinite, Steps
+from gradaccum.core.hints import DType, Nonfinite, Real, Steps
 from gradaccum.core.screening import warn_skipped
 
 __all__ = ["GradientAccumulator"]
@@ -111,7 +111,7 @@ class GradientAccumulator:
     """
 
     def __init__(self, variables: Sequence[Any], *, steps: Steps | None = None,
-                 weight_per_update: float | None = None, reduction: str = "mean",
+                 weight_per_update: Real | None = None, reduction: str = "mean",
                  accumulator_dtype: DType = "float32", nonfinite: Nonfinite = "skip",
                  process_group: Any = "auto", name: str = "gradient_accumulator") -> None:
         variables = check_variables(variables)
