@@ -115,7 +115,7 @@ def gpu(rows, out: pathlib.Path) -> None:
     left.set_xticks(range(len(cells)))
     left.set_xticklabels([f"{c['backend']}, {c['precision']}" for c, _ in cells], fontsize=8)
     left.set_ylim(0.8, 1.1)
-    left.set_ylabel("samples/s over plain fit at b")
+    left.set_ylabel("samples/s over plain fit at b\n(the axis starts at 0.8)")
     left.legend(fontsize=8, loc="lower right")
     left.set_title("GPT-2 124M, b = 8, k = 4, sequence 512", fontsize=9)
     names = {"plain": "plain fit\nb = 8", "accumulate": "accumulate\nb = 8, k = 4",
@@ -170,6 +170,9 @@ def backends(grids: dict, out: pathlib.Path) -> None:
     a bar), the cells grouped by workload."""
     import matplotlib.pyplot as plt
 
+    values = [v for cells in grids.values() for c in cells for key in ("plain", "builtin")
+              if (v := c[key]) is not None]
+    bottom, top = min(v[1] for v in values), max(v[2] for v in values)
     fig, axes = plt.subplots(len(grids), 1, figsize=(11, 2.9 * len(grids)), sharey=True)
     axes = list(axes) if len(grids) > 1 else [axes]
     for ax, (backend, cells) in zip(axes, grids.items()):
@@ -189,8 +192,8 @@ def backends(grids: dict, out: pathlib.Path) -> None:
         ax.set_xticks(range(len(cells)))
         ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=6)
         ax.set_xlim(-0.7, len(cells) - 0.3)
-        ax.set_ylim(0.3, 2.5)
         ax.set_yscale("log", base=2)
+        ax.set_ylim(bottom / 1.15, top * 1.15)
         ax.set_ylabel("samples/s ratio")
         ax.set_title(f"{backend}, CPU: accumulate over plain fit at b (blue) and over "
                      "Keras's built-in (grey)", fontsize=9)

@@ -50,7 +50,9 @@ def uninterrupted(tmp_path_factory):
 
 @pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs POSIX signals")
 # Micro-batch 7 is the second of epoch 2's first (full) window; 9 the first of its
-# second (partial) window (in fit; the loop shares the state file and its resume).
+# second (partial) window, under fit (the loop, whose checkpoint is a
+# tf.train.CheckpointManager's, is killed in a full window here; a checkpoint read
+# back in the middle of a window: test_accumulator.py's checkpoint tests).
 @pytest.mark.parametrize("mode, kill_at", [("fit", 7), ("loop", 7), ("fit", 9)])
 def test_sigkill_in_the_middle_of_a_window_then_rerun_equals_an_uninterrupted_run(
     tmp_path, uninterrupted, mode, kill_at

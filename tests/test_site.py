@@ -137,8 +137,11 @@ def _browser():
 def served(site):
     """The built site over HTTP on a free local port, as a user's server gives it
     (the search runs in a worker, which a file:// page may not start)."""
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(site))
-    handler.log_message = lambda *args: None
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    handler = functools.partial(Quiet, directory=str(site))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -147,11 +150,12 @@ def served(site):
 
 
 def _opened(browser, url, shot):
-    """Headless Chromium on `url`: its DOM after the scripts ran, every line the
-    page wrote to its console (Chromium logs each one, whatever its level, as a
-    CONSOLE line), and a screenshot at `shot`."""
+    """Headless Chromium on `url`: its DOM after the scripts ran (3 s of the page's
+    timers given, so what a script does late is seen too), every line the page
+    wrote to its console (Chromium logs each one, whatever its level, as a CONSOLE
+    line), and a screenshot at `shot`."""
     common = [browser, "--headless", "--no-sandbox", "--disable-gpu",
-              "--enable-logging=stderr", "--v=0"]
+              "--enable-logging=stderr", "--v=0", "--virtual-time-budget=3000"]
     dumped = subprocess.run([*common, "--dump-dom", url], capture_output=True, text=True,
                             timeout=120)
     assert dumped.returncode == 0, dumped.stderr[-2000:]
@@ -167,10 +171,12 @@ def test_the_browser_check_sees_what_a_page_writes_to_its_console(tmp_path):
     if browser is None:
         pytest.skip("no Chromium installed (Debian: apt install chromium)")
     page = tmp_path / "broken.html"
-    page.write_text("<html><body>x<script>console.error('boom'); missing();</script>"
+    page.write_text("<html><body>x<script>console.error('boom'); "
+                    "setTimeout(() => console.error('late'), 300); missing();</script>"
                     "</body></html>")
     _, console = _opened(browser, page.as_uri(), tmp_path / "broken.png")
     assert any("boom" in line for line in console), console
+    assert any("late" in line for line in console), console
     assert any("Uncaught ReferenceError" in line for line in console), console
 
 
