@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 from typing import Any
 
 import keras
@@ -168,6 +169,62 @@ def optimizer_name(model, optimizer) -> str:
     """The name `model` reaches `optimizer` by (`named_optimizers`), or "optimizer"."""
     return next((name for name, found in named_optimizers(model) if found is optimizer),
                 "optimizer")
+
+
+class UnroutedUpdates:
+    """Watches a model's own step for Keras optimizers it applies that gradaccum did
+    not route (held neither as an attribute of the model nor in one: a helper
+    object's, a closure's): they update at every micro-batch, which `fit` warns of
+    once per optimizer. While `watching`, Keras's optimizer class runs a check before
+    its `apply`; the routed optimizers' own `apply` is an instance attribute and
+    passes by it."""
+
+    def __init__(self) -> None:
+        self.model_name = ""
+        self.warned: set[int] = set()
+        self._known: set[int] = set()
+
+    @contextlib.contextmanager
+    def watching(self, routed, model_name: str):
+        # The routed optimizers and what they apply through (a LossScaleOptimizer's
+        # inner optimizer) are known.
+        known = set()
+        for optimizer in routed:
+            known.add(id(optimizer))
+            inner = getattr(optimizer, "inner_optimizer", None)
+            if inner is not None:
+                known.add(id(inner))
+        self._known, self.model_name = known, model_name
+        base = keras.optimizers.Optimizer
+        had, original = "apply" in base.__dict__, base.apply
+        watcher = self
+
+        def apply(self, *args, **kwargs):
+            watcher.noted(self)
+            return original(self, *args, **kwargs)
+
+        base.apply = apply
+        try:
+            yield
+        finally:
+            if had:
+                base.apply = original
+            else:
+                del base.apply
+
+    def noted(self, optimizer) -> None:
+        if id(optimizer) in self._known or id(optimizer) in self.warned:
+            return
+        self.warned.add(id(optimizer))
+        warnings.warn(
+            f"The train_step of {self.model_name} applied a "
+            f"{type(optimizer).__name__} optimizer ({optimizer.name!r}) that the model "
+            "does not hold as an attribute: gradaccum accumulates for the optimizers "
+            "it finds on the model (`self.optimizer`, `self.d_optimizer`, one in a "
+            "list or dict attribute), so this one updates at every micro-batch, not "
+            "once per window. Assign it to an attribute of the model.",
+            stacklevel=2,
+        )
 
 
 def is_loss_scale_optimizer(optimizer) -> bool:

@@ -6,6 +6,7 @@ pass. Each case against plain Keras on the same backend trained on the windows."
 
 from __future__ import annotations
 
+import types
 import warnings
 
 import keras
@@ -444,3 +445,60 @@ def test_a_loss_weighting_exact_cannot_weigh_says_what_to_pass(reduction, loss_r
     for other in ("uniform", lambda x, y, sw: 1.0):
         ok = gradaccum.accumulate(mlp(0), steps=3, reduction=reduction, weighting=other)
         ok.compile(keras.optimizers.SGD(0.1), loss)
+
+
+class HelperHeldModel(keras.Model):
+    """A model's own step in keras.io's pattern that applies two optimizers: the
+    model's own to its first layer, and one kept in a helper object (not an
+    attribute of the model) to its second."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = keras.layers.Dense(2), keras.layers.Dense(1)
+        self.helper = types.SimpleNamespace(optimizer=None)
+
+    def call(self, x):
+        return self.second(self.first(x))
+
+    def train_step(self, data):
+        x, y = data
+        if keras.backend.backend() == "torch":
+            import torch
+
+            loss = keras.ops.mean((self(x, training=True) - y) ** 2)
+            first, second = self.first.trainable_variables, self.second.trainable_variables
+            self.zero_grad()
+            loss.backward()
+            with torch.no_grad():
+                self.optimizer.apply([v.value.grad for v in first], first)
+                self.helper.optimizer.apply([v.value.grad for v in second], second)
+        else:
+            import tensorflow as tf
+
+            with tf.GradientTape() as tape:
+                loss = keras.ops.mean((self(x, training=True) - y) ** 2)
+            first, second = self.first.trainable_variables, self.second.trainable_variables
+            grads = tape.gradient(loss, first + second)
+            self.optimizer.apply_gradients(zip(grads[:len(first)], first))
+            self.helper.optimizer.apply_gradients(zip(grads[len(first):], second))
+        return {"loss": loss}
+
+
+@pytest.mark.skipif(keras.backend.backend() == "jax", reason=(
+    "a JAX step applies an optimizer through the trainer's state, which holds only the "
+    "model's own optimizers' variables"))
+def test_an_optimizer_the_model_does_not_hold_is_warned_of():
+    # The helper's optimizer updates at every micro-batch (it is not routed): said,
+    # naming it, once per fit.
+    x, y = np.ones((24, 3), "float32"), np.zeros((24, 1), "float32")
+    model = gradaccum.accumulate(HelperHeldModel(), steps=3)
+    model.compile(keras.optimizers.SGD(0.1))
+    model.helper.optimizer = keras.optimizers.SGD(0.1, name="helper_sgd")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    said = [str(w.message) for w in caught if "does not hold as an attribute" in str(w.message)]
+    assert len(said) == 1, said
+    assert "SGD optimizer ('helper_sgd')" in said[0] and "HelperHeldModel" in said[0]
+    assert int(model.optimizer.iterations) == 2
+    assert int(model.helper.optimizer.iterations) == 6

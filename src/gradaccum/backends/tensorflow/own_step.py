@@ -9,11 +9,13 @@ route (`keras_compat.apply_gradients`).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import keras
 import tensorflow as tf
 
+from gradaccum._keras_common import UnroutedUpdates
 from gradaccum.backends.tensorflow import batch_norm, following
 from gradaccum.backends.tensorflow import keras_compat as kc
 from gradaccum.backends.tensorflow import logs as _logs
@@ -53,6 +55,9 @@ class OwnStep:
         self._lock = threading.Lock()
         self._routed = []
         self._users = 0
+        # An optimizer the step applies that is not routed is warned of.
+        self._unrouted = UnroutedUpdates()
+        self._watching = contextlib.ExitStack()
         # The optimizers the step handed gradients to, in order.
         self.handed = []
         # The optimizers the traced step applied more than once per batch to the
@@ -171,6 +176,8 @@ class OwnStep:
             self._users += 1
             if self._users > 1:
                 return
+            self._watching.enter_context(self._unrouted.watching(
+                optimizers, type(self._accumulation.host).__name__))
             for optimizer in optimizers:
                 self._routed.append(
                     (optimizer, "apply" in optimizer.__dict__, optimizer.__dict__.get("apply"))
@@ -192,6 +199,7 @@ class OwnStep:
                 else:
                     del optimizer.apply
             self._routed = []
+            self._watching.close()
 
     def _accumulate(self, optimizer, grads, trainable_variables):
         """What an optimizer's `apply` does inside the step: the micro-batch's

@@ -155,7 +155,9 @@ class Handover:
             optimizer.__dict__["apply"] = apply
             optimizer.__dict__["apply_gradients"] = apply_gradients
         try:
-            yield self
+            with self.step.unrouted.watching([o for _, o in routed],
+                                             type(self.step.model).__name__):
+                yield self
         finally:
             for _, optimizer in routed:
                 optimizer.__dict__.pop("apply", None)

@@ -148,6 +148,8 @@ class TrainStep:
                        and not self.loss_scaled and self.options.window.constant == 1
                        and self.options.privacy is None)
         self.warned_no_compiled_loss = False
+        # A model's own step: the optimizers it applies that are not routed.
+        self.unrouted = kc.UnroutedUpdates()
         # A model's own step: the window record of each optimizer it applies, by
         # the optimizer's place among the model's (`kc.named_optimizers`).
         self.appliers = {}
