@@ -33,7 +33,6 @@ from gradaccum.core.window import PARTIALS, WindowSpec
 if TYPE_CHECKING:  # pragma: no cover
     from gradaccum.core.transitions import Policy
 
-# The type hints of the options' values (`core/hints.py`), for the doors' signatures.
 _Function = TypeVar("_Function", bound=Callable[..., Any])
 
 
