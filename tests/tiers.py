@@ -637,6 +637,7 @@ SLOW = [
     "test_docs.py::test_documented_python_block_runs[docs/guides/keras-hub.md:0]",
     "test_docs.py::test_documented_python_block_runs[docs/guides/keras-hub.md:1]",
     "test_docs.py::test_documented_python_block_runs[docs/guides/own-step.md:2]",
+    "jax_backend/test_jax_docs.py::test_documented_jax_block_runs[docs/guides/own-step.md:0]",
     # A recompile's loss and optimizer settings (JAX replayed the first trace).
     "contract/test_fit.py::test_a_recompile_with_another_loss_and_optimizer_trains_with_them",
     # Issue 54: compilations per epoch (JAX; two fits of 4 epochs).
