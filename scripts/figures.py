@@ -81,15 +81,16 @@ def memory(rows, out: pathlib.Path) -> None:
 
 
 def gpu(rows, out: pathlib.Path) -> None:
-    """The GPU cell: per run of this checkout's gradaccum (a run of an older source,
-    kept in the record for comparison, is left out), each contender's samples per
-    second over plain fit's (the median of per-repeat ratios, min-max as bars), and
-    the peak device memory of plain fit at b, accumulate and plain fit at k x b."""
+    """The GPU cell: per run of the source the record was measured at (a run of an
+    older source, `src/gradaccum at <commit>`, kept for comparison, is left out),
+    each contender's samples per second over plain fit's (the median of per-repeat
+    ratios, min-max as bars), and the peak device memory of plain fit at b,
+    accumulate and plain fit at k x b."""
     import matplotlib.pyplot as plt
 
     configs = {r["run"]: r for r in rows if r["kind"] == "config"}
     current = {run for run, c in configs.items()
-               if "/.old/" not in c["environment"]["gradaccum"]}
+               if c["environment"]["gradaccum"] == "src/gradaccum"}
     cells = []
     for run in sorted(current, key=lambda r: (configs[r]["backend"], configs[r]["precision"])):
         ratios = {r["ratio"]: r for r in rows if r["kind"] == "ratio" and r["run"] == run}
