@@ -100,16 +100,17 @@ class Accumulation(adapter.Accumulation):
         # Whether a compiled call's logs showed the step's error flag (raised in
         # the fit's thread).
         self._pending_error: bool | None = None
-        # close_eagerly's jitted closes, for the step they were made for (a fit
-        # whose data ends each epoch compiles them once, not once per epoch).
-        self._closers: tuple = (None, {})
+        # close_eagerly's jitted closes by (record, applied), for the step of the
+        # state (a fit whose data ends each epoch compiles them once, not once per
+        # epoch); let go with the state.
+        self._closers: dict[tuple[int, bool], Any] = {}
 
     def detach(self) -> None:
         """`disable`: the model tracks the state no more."""
         self._untrack()
         self.state = None
         self.step = None
-        self._closers = (None, {})
+        self._closers = {}
 
     def _untrack(self) -> None:
         if self.state is not None:
@@ -147,7 +148,7 @@ class Accumulation(adapter.Accumulation):
         self._untrack()
         self.state = None
         self.step = None
-        self._closers = (None, {})
+        self._closers = {}
         if self.host is not None:
             self.host.train_function = None
 
@@ -327,12 +328,9 @@ class Accumulation(adapter.Accumulation):
 
     def _closer(self, index, applier, apply: bool):
         """The jitted close of window record `index` (applied or dropped), made once
-        per step."""
+        per step (a new step comes with a new state: `drop_state`)."""
         step = self.step
-        made_for, closers = self._closers
-        if made_for is not step:
-            closers = {}
-            self._closers = (step, closers)
+        closers = self._closers
         if (index, apply) not in closers:
             renumbered = applier.renumbered(0)
 
