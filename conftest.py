@@ -54,6 +54,23 @@ def pytest_configure(config):
         pass
 
 
+@pytest.fixture(autouse=True)
+def _own_collective_keys():
+    """Each test's tf.distribute strategies take collective keys no other test's take.
+
+    A MirroredStrategy numbers its collectives from `_collective_key_base`; two made
+    in one process from the same base (a documented block's `MirroredStrategy()`, the
+    suite's shared two-replica strategy) hand out the same keys, and TensorFlow aborts
+    the second's reductions with a shape mismatch. TensorFlow's own tests move the base
+    by 100000 before each strategy (tensorflow/python/distribute/strategy_combinations.py).
+    """
+    if os.environ.get("KERAS_BACKEND", "tensorflow") == "tensorflow":
+        from tensorflow.python.distribute import mirrored_strategy
+
+        mirrored_strategy.MirroredStrategy._collective_key_base += 100000
+    yield
+
+
 def _node(item) -> str | None:
     """The item's node id relative to tests/, or None outside tests/."""
     path = pathlib.Path(str(item.path)).resolve()

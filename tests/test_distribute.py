@@ -44,14 +44,18 @@ def mirrored(cross_device_ops=None):
     """A MirroredStrategy over the two logical CPUs.
 
     With its default cross-device ops (collectives) one instance serves the whole
-    module: two instances in one process hand out the same collective keys and
-    TensorFlow then aborts with a shape mismatch (a TensorFlow limitation).
+    process. Strategies made in one process must number their collectives apart: the
+    root conftest moves the base before each test, and this moves it again before
+    making the shared one (a test may make its own strategy first).
     """
     if len(tf.config.list_logical_devices("CPU")) < 2:
         pytest.skip("needs two logical CPU devices (set up by the root conftest)")
     if cross_device_ops is not None:
         return tf.distribute.MirroredStrategy(DEVICES, cross_device_ops=cross_device_ops)
     if not _DEFAULT_STRATEGY:
+        from tensorflow.python.distribute import mirrored_strategy
+
+        mirrored_strategy.MirroredStrategy._collective_key_base += 100000
         _DEFAULT_STRATEGY.append(tf.distribute.MirroredStrategy(DEVICES))
     return _DEFAULT_STRATEGY[0]
 
