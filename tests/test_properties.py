@@ -60,7 +60,7 @@ def reference_gradient(model, x, y, window, reduction, weighting):
     return [t / len(window) for t in total]
 
 
-@settings(max_examples=min(6, settings().max_examples), **SETTINGS)
+@settings(max_examples=min(4, settings().max_examples), **SETTINGS)
 # Besides the drawn examples (few, for the suite's time): a dropped partial window
 # under Adam and a carried one under RMSprop, every time.
 @example(sizes=[5, 3, 8, 2, 7], steps=3, partial="drop", reduction="mean",
@@ -112,7 +112,7 @@ def test_accumulator_equals_the_large_batch(sizes, steps, partial, reduction, we
             np.testing.assert_allclose(a.numpy(), b, rtol=2e-5, atol=2e-6)
 
 
-@settings(max_examples=min(5, settings().max_examples), **SETTINGS)
+@settings(max_examples=min(3, settings().max_examples), **SETTINGS)
 @example(n=23, batch_size=4, steps=4, partial="drop", epochs=2, optimizer="rmsprop")
 @given(
     n=st.integers(1, 40),
