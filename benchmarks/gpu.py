@@ -23,7 +23,11 @@ Contenders, each on the same data, from the same initial weights:
 - `accumulate`: `gradaccum.accumulate(model, steps=k)`, at b (its default
   `steps_per_execution`: k, a window per compiled call);
 - `plain_kb`: plain `fit` at k * b (the large batch a window stands for; the same
-  samples in micro_batches / k batches).
+  samples in micro_batches / k batches);
+- `accumulate_one_step` (JAX): `accumulate` with one compiled step for every
+  micro-batch, the update inside its `lax.cond` (gradaccum's step before the two
+  steps chosen on the host, which an accelerator runs by default: the pair measures
+  what they gain).
 
 All contenders live in one process: each is built and compiled once and trains a
 warm-up epoch (which traces and compiles), then an epoch of `--micro-batches`
@@ -62,7 +66,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, os.environ.get("GRADACCUM_SRC") or str(ROOT / "src"))
 
-CONTENDERS = ("plain", "builtin", "accumulate", "plain_kb")
+CONTENDERS = ("plain", "builtin", "accumulate", "plain_kb", "accumulate_one_step")
 BACKENDS = ("jax", "torch")
 # The cell's sizes, and --tiny's (a few seconds on a CPU).
 FULL = {"vocabulary": 50257, "layers": 12, "heads": 12, "hidden": 768,
@@ -158,14 +162,17 @@ def compiled(name: str, cfg: dict, weights=None):
     k = cfg["steps"]
     if name == "builtin":
         optimizer = keras.optimizers.Adam(LEARNING_RATE, gradient_accumulation_steps=k)
-    elif name in ("plain", "accumulate", "plain_kb"):
+    elif name in ("plain", "accumulate", "plain_kb", "accumulate_one_step"):
         optimizer = keras.optimizers.Adam(LEARNING_RATE)
     else:
         raise ValueError(f"unknown contender {name!r}")
-    if name == "accumulate":
+    if name in ("accumulate", "accumulate_one_step"):
         import gradaccum
 
         model = gradaccum.accumulate(model, steps=k)  # steps_per_execution: its default
+        if name == "accumulate_one_step":
+            # (JAX) the step before issue 54's two steps, for the pair's ratio.
+            model._gradaccum_accumulation.phases_wanted = False
     model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
 
@@ -276,7 +283,8 @@ def ratio(rates: dict, top: str, bottom: str):
 
 
 RATIOS = (("accumulate", "plain"), ("accumulate", "builtin"), ("accumulate", "plain_kb"),
-          ("builtin", "plain"))
+          ("builtin", "plain"), ("accumulate", "accumulate_one_step"),
+          ("accumulate_one_step", "plain"))
 
 
 def summarize(rates: dict, cfg: dict, results: Results) -> str:

@@ -7,8 +7,8 @@
 # Each step writes its JSON lines to OUT_DIR/gpu.jsonl as it measures and its output to
 # OUT_DIR/suite.log, under a time limit of its own (a step that fails or times out
 # leaves the others theirs):
-#   1. JAX float32, 2. JAX mixed_bfloat16: plain fit, Keras's built-in accumulation
-#      and gradaccum.accumulate side by side (benchmarks/gpu.py);
+#   1. JAX float32, 2. JAX mixed_bfloat16: plain fit, Keras's built-in accumulation,
+#      gradaccum.accumulate and its one-step form side by side (benchmarks/gpu.py);
 #   3. with OLD_SRC (another checkout's src/), JAX float32 plain against that
 #      gradaccum's accumulate: before and after, each against plain fit in its run;
 #   4. PyTorch float32, as 1;
@@ -46,8 +46,10 @@ step() {
 bench=(python3 benchmarks/gpu.py --out "$out/gpu.jsonl" ${extra[@]+"${extra[@]}"})
 three=(--contenders plain,builtin,accumulate)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >>"$log" 2>&1
-step "jax float32" env KERAS_BACKEND=jax "${bench[@]}" "${three[@]}"
-step "jax mixed_bfloat16" env KERAS_BACKEND=jax "${bench[@]}" "${three[@]}" \
+# On JAX also the one compiled step against the two chosen on the host (issue 54).
+four=(--contenders plain,builtin,accumulate,accumulate_one_step)
+step "jax float32" env KERAS_BACKEND=jax "${bench[@]}" "${four[@]}"
+step "jax mixed_bfloat16" env KERAS_BACKEND=jax "${bench[@]}" "${four[@]}" \
   --precision mixed_bfloat16
 if [ -n "$old" ]; then
   step "jax float32, gradaccum from $old" env KERAS_BACKEND=jax GRADACCUM_SRC="$old" \

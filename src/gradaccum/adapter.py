@@ -299,6 +299,12 @@ class Accumulation(abc.ABC):
         `on_train_batch_begin`)."""
         return None
 
+    def epoch_began(self, hook, resume_skip: int) -> None:
+        """An epoch begins, its fields set (`resume_skip`: the micro-batches a
+        restored run skips first): where a backend counts the window on the host,
+        it starts from the state here."""
+        return None
+
     def after_batch(self, hook, logs, deferred: bool = False) -> None:
         """After each compiled call of `fit` (the hook's `on_train_batch_end`), and
         with the epoch's logs at its end. `deferred`: in Keras's worker thread,

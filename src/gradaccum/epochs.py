@@ -66,12 +66,14 @@ class EpochHook(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         epoch_step = self._field("epoch_step")
-        if self.first_epoch and int(epoch_step.numpy()) > 0:
+        skip = int(epoch_step.numpy()) if self.first_epoch else 0
+        if skip > 0:
             # Restored (BackupAndRestore) inside an epoch: the epoch restarts from
             # its first batch, so skip what was already trained on.
-            self._field("resume_skip").assign(epoch_step.numpy())
+            self._field("resume_skip").assign(skip)
         epoch_step.assign(0)
         self.first_epoch = False
+        self.accumulation.epoch_began(self, skip)
 
     def on_train_batch_begin(self, batch, logs=None):
         self.accumulation.before_batch(self)

@@ -103,7 +103,9 @@ RESET = tuple(field.name for field in WINDOW if field.reset)
 # another fit (its hook sets them).
 EPOCH_ONLY = ("epoch_length",)
 # The errors a compiled step records in `error` (0: none).
-ERRORS = {"nonfinite": 1, "negative_weight": 2, "schedule": 3}
+# "miscount": a step compiled without the close met a window that was due (the
+# host's count of the window, `core/host_window.py`, disagreed with the state).
+ERRORS = {"nonfinite": 1, "negative_weight": 2, "schedule": 3, "miscount": 4}
 # The fields of an error (kept when a split batch's error undoes the rest).
 ERROR_FIELDS = ("error", "error_at", "error_micro_batch")
 

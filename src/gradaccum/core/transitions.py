@@ -675,6 +675,16 @@ def micro_batch(policy: Policy, record, gradients, weight, *, weighted=False,
     return accept
 
 
+def unclosed(policy: Policy, record, end=None) -> None:
+    """After a micro-batch run by a step without the close (the host counted that
+    its window closes nothing: `gradaccum.core.host_window`): an error ("miscount")
+    where the window was due all the same, so that no window runs past its length
+    unseen."""
+    ok = record.healthy() if policy.raises else None
+    _, closing = decide(policy, due(policy, record), end, ok)
+    record.fail(closing, "miscount", at=window_length(record))
+
+
 def apply_now(policy: Policy, record, condition=True, fit=None):
     """Closes the open window when `condition`, applying it if it holds an
     accepted micro-batch (a partial window normalized by its own weights). Returns
@@ -834,6 +844,12 @@ def error_message(code, micro_batch=None, at=None, value=None) -> str:
     if code == "negative_weight":
         return (f"{NEGATIVE_WEIGHT}. Received: a negative or nan weight for micro-batch "
                 f"{at} of its window (it was accumulated with weight 0).")
+    if code == "miscount":
+        return ("gradaccum counted on the host that a micro-batch closed no window, "
+                f"and the training state's window held {at} micro-batches with it, "
+                "due: the state was changed during the epoch outside `fit`'s step, and "
+                "windows closed later than their length. Please report this with the "
+                "fit's callbacks.")
     received = "a value < 1" if value is None else str(value)
     return f"{SCHEDULE_RULE} Received: {received} for update_index={at}"
 

@@ -10,6 +10,7 @@ of the data, and raising the errors the jitted step can only record.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,12 +21,14 @@ from gradaccum import _keras_common as kc
 from gradaccum import adapter
 from gradaccum._validation import accumulator_dtype_name
 from gradaccum.adapter import Findings
-from gradaccum.backends.jax import retry
+from gradaccum.backends.jax import phases, retry
 from gradaccum.backends.jax.own_step import Applier
+from gradaccum.backends.jax.phases import Phases
 from gradaccum.backends.jax.record import Carry, FitRecord
 from gradaccum.backends.jax.state import AccumulationState, layouts_of, window_prefix
 from gradaccum.backends.jax.step import ERROR_KEY, TrainStep
 from gradaccum.core import transitions as tr
+from gradaccum.core.host_window import HostWindow
 from gradaccum.core.options import Options as CoreOptions
 from gradaccum.core.window import WindowSpec
 
@@ -104,6 +107,12 @@ class Accumulation(adapter.Accumulation):
         # state (a fit whose data ends each epoch compiles them once, not once per
         # epoch); let go with the state.
         self._closers: dict[tuple[int, bool], Any] = {}
+        # The step without the close and the whole one, chosen on the host, where
+        # the window's length is fixed (`phases.py`); None otherwise.
+        self._phases: Phases | None = None
+        # Whether to run them (None: where they pay, `phases.worth_it`): benchmarks
+        # set it to measure one against the other.
+        self.phases_wanted: bool | None = None
 
     def detach(self) -> None:
         """`disable`: the model tracks the state no more."""
@@ -111,6 +120,7 @@ class Accumulation(adapter.Accumulation):
         self.state = None
         self.step = None
         self._closers = {}
+        self._phases = None
 
     def _untrack(self) -> None:
         if self.state is not None:
@@ -149,6 +159,7 @@ class Accumulation(adapter.Accumulation):
         self.state = None
         self.step = None
         self._closers = {}
+        self._phases = None
         if self.host is not None:
             self.host.train_function = None
 
@@ -192,8 +203,54 @@ class Accumulation(adapter.Accumulation):
                     retry.retrying(self, self._step_of_size)
                 )
             return self.host.train_function
+        if self.phased():
+            if force or self.host.train_function is None or self._phases is None:
+                self._phases = Phases(self)
+                self.host.train_function = self.host._make_function(self._phases)
+            return self.host.train_function
+        if self._phases is not None:
+            self._phases = None
+            force = True  # the function installed is the two steps'
         make(force)
         return self.host.train_function
+
+    def phased(self) -> bool:
+        """Whether `fit` runs the step without the close where the host knows no
+        window closes (`phases.py`): Keras's step, one micro-batch per batch, and
+        windows of a fixed length of several."""
+        step = self.step
+        wanted = phases.worth_it() if self.phases_wanted is None else self.phases_wanted
+        return (wanted and step is not None and step.own_step is None
+                and not self.options.split and not step.direct
+                and HostWindow.follows(self.options.window))
+
+    @contextlib.contextmanager
+    def fitting(self, hook):
+        try:
+            with super().fitting(hook):
+                yield
+        finally:
+            if self._phases is not None:
+                # Outside fit (train_on_batch) every micro-batch may close.
+                self._phases.window.forget()
+
+    def restore_pending(self) -> None:
+        super().restore_pending()
+        if self._phases is not None:
+            # Values from outside (load_weights): counted again as the next epoch
+            # begins, every micro-batch may close until then.
+            self._phases.window.forget()
+
+    def epoch_began(self, hook, resume_skip: int) -> None:
+        """The host's count of the window starts from the state (one read per
+        epoch), after the hook set the epoch's fields."""
+        if self._phases is None or self.state is None:
+            return
+        named = self.state.named()
+        length, epoch_length = jax.device_get(
+            (named["micro_step"].value + named["window_skipped"].value,
+             named["epoch_length"].value))
+        self._phases.window.start(int(length), 0, int(epoch_length), resume_skip)
 
     def _step_of_size(self, size: int, donate: bool, state):
         """The step that splits batches into micro-batches of `size` samples,
@@ -258,15 +315,23 @@ class Accumulation(adapter.Accumulation):
     def end_of_data(self) -> None:
         """The data ended: the open window is flushed or dropped as `partial` says
         (kept with `"carry"`)."""
-        if self.state is None or self.options.partial == "carry":
+        if self.state is None:
             return
-        if self.open_micro_batches() == 0:
+        if self._phases is not None and self._phases.window.known:
+            # A step without the close that met a due window: raised here, where
+            # no other policy would raise it.
+            if int(self.state.error.numpy()) == AccumulationState.ERRORS["miscount"]:
+                self._phases.window.forget()
+                self.raise_step_error()
+        if self.options.partial == "carry" or self.open_micro_batches() == 0:
             return
         if self.step is None:
             # A window restored (load_weights) and not trained on since.
             self.step = TrainStep(self.host, self.options, self.state, self.normalizers,
                                   own_step=self.own_train_step, follower=self.follower)
         self.close_eagerly(apply=self.options.partial == "flush")
+        if self._phases is not None:
+            self._phases.window.closed()
 
     def close_eagerly(self, apply: bool) -> bool:
         """Closes the open windows outside the step (the end of the data): each is
@@ -368,6 +433,8 @@ class Accumulation(adapter.Accumulation):
         message = tr.error_message(error, int(state.error_micro_batch.numpy()), at)
         if error == AccumulationState.ERRORS["nonfinite"]:
             raise FloatingPointError(message)
+        if error == AccumulationState.ERRORS["miscount"]:
+            raise RuntimeError(message)
         if error == AccumulationState.ERRORS["schedule"]:
             message += " (that window held 1 micro-batch)."
         raise ValueError(message)

@@ -124,10 +124,11 @@ class TrainStep:
 
     # The step ---------------------------------------------------------------------
 
-    def __call__(self, state, data, micro_batch_size=None):
+    def __call__(self, state, data, micro_batch_size=None, closes=True):
         """One batch: a micro-batch (`steps` mode), or in split mode the window cut
         into micro-batches of `micro_batch_size` (the option's unless given: the
-        size `"auto"` tries)."""
+        size `"auto"` tries). `closes=False`: a micro-batch of Keras's step that the
+        host knows closes no window (`phases.py`), compiled without the close."""
         trainable, non_trainable, optimizer_variables, metrics_variables = state
         ours = self.state.unpack({name: metrics_variables[i]
                                   for name, i in self.slots.items()})
@@ -139,7 +140,7 @@ class TrainStep:
         elif self.own_step is not None:
             logs = _own_step.run(self, carry, data)
         else:
-            logs = self.micro_batch(carry, data)
+            logs = self.micro_batch(carry, data, closes)
         logs = dict(logs, **self.counters(carry))
         self.held(carry, entry)
         metrics_variables = list(carry.metrics)
@@ -148,9 +149,9 @@ class TrainStep:
         return logs, (carry.trainable, carry.non_trainable, carry.optimizer,
                       metrics_variables)
 
-    def micro_batch(self, carry: Carry, data):
+    def micro_batch(self, carry: Carry, data, closes=True):
         """`steps` mode with Keras's step: the batch is one micro-batch of the open
-        window, which it may close."""
+        window, which it may close (unless `closes` is False)."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         fit = FitRecord(carry)
         fit.add("epoch_step", 1)
@@ -166,7 +167,10 @@ class TrainStep:
             self.policy, record, gradients, weight, weighted=weighted,
             loss_scale=self.growth_steps if self.loss_scaled else None,
             end=tr.end_of_data(fit), fit=fit, direct=self.direct, unit=unit,
+            closes=closes,
         )
+        if not closes:
+            tr.unclosed(self.policy, record, tr.end_of_data(fit))
         carry.non_trainable = kept_unless(accepted, carry.non_trainable, before)
         self.follow(carry, before, self.forward_state, record.outcome)
         logs, carry.metrics = self.stateless_metrics(
