@@ -66,11 +66,11 @@ class EpochHook(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         epoch_step = self._field("epoch_step")
+        # Restored (BackupAndRestore) inside an epoch: the epoch restarts from its
+        # first batch, so skip what was already trained on; in no later epoch (a
+        # restored position past the epoch's end skips this epoch only).
         skip = int(epoch_step.numpy()) if self.first_epoch else 0
-        if skip > 0:
-            # Restored (BackupAndRestore) inside an epoch: the epoch restarts from
-            # its first batch, so skip what was already trained on.
-            self._field("resume_skip").assign(skip)
+        self._field("resume_skip").assign(skip)
         epoch_step.assign(0)
         self.first_epoch = False
         self.accumulation.epoch_began(self, skip)

@@ -9,6 +9,8 @@ of `fit` is run with them too: test_jax_phases_contract.py."""
 
 from __future__ import annotations
 
+import shutil
+
 import jax
 import keras
 import numpy as np
@@ -40,9 +42,11 @@ def test_on_a_cpu_fit_runs_the_one_step():
     assert int(model.optimizer.iterations) == 6
 
 
-def _accumulating(steps=3, **options):
+def _accumulating(steps=3, steps_per_execution=None, **options):
     model = gradaccum.accumulate(mlp(0), steps=steps, **options)
-    model.compile(keras.optimizers.Adam(0.05), SCE)
+    per_call = {} if steps_per_execution is None else {
+        "steps_per_execution": steps_per_execution}
+    model.compile(keras.optimizers.Adam(0.05), SCE, **per_call)
     return model
 
 
@@ -208,3 +212,86 @@ def test_load_weights_between_epochs_counts_from_the_loaded_window(tmp_path, eve
     model.fit(x[12:40], y[12:40], batch_size=4, epochs=1, shuffle=False, verbose=0)
     # 1 + 7 micro-batches: windows close at the 2nd and 5th; 2 remain open.
     assert model._gradaccum_accumulation.open_micro_batches() == 2
+
+
+def _both(run):
+    """`run(model)` on a model trained by the one step and on one trained by the two
+    steps: the two end with the same weights, optimizer state and updates."""
+    models = []
+    for wanted in (False, True):
+        model = _accumulating(steps_per_execution=1)  # a callback per micro-batch
+        model._gradaccum_accumulation.phases_wanted = wanted
+        run(model)
+        models.append(model)
+    one, two = models
+    assert _phases(one) is None and _phases(two) is not None
+    assert_weights_close(two, one)
+    assert_optimizer_close(two.optimizer, one.optimizer)
+    return one, two
+
+
+def test_a_position_loaded_by_a_callback_of_its_own_trains_every_micro_batch(tmp_path):
+    # A mid-epoch checkpoint (micro-batch 5 of 10) loaded by the user's own callback
+    # as the fit begins: no BackupAndRestore restarts the epoch, so the step passes
+    # over nothing, and neither does the host's count (the reviewer's case: it
+    # passed over 5 and then met due windows in the step without the close).
+    x, y = data(40)
+    path = str(tmp_path / "mid.weights.h5")
+
+    class SaveAt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 4:
+                self.model.save_weights(path)
+
+    class ResumeFrom(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.model.load_weights(path)
+
+    saver = _accumulating(steps_per_execution=1)
+    saver.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[SaveAt()])
+
+    def run(model):
+        model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0,
+                  callbacks=[ResumeFrom()])
+
+    one, two = _both(run)
+    # The loaded window (2 of 3) + 20 micro-batches: windows close at 1, 4, 7, 10
+    # (the epoch's end flushes), 13, 16, 19, 20; and the saved updates were 1.
+    assert int(two.optimizer.iterations) == 1 + 8
+
+
+def test_a_restored_position_past_the_epochs_end_passes_over_that_epoch_only(tmp_path):
+    # BackupAndRestore saved micro-batch 8 of an epoch of 10; the run resumes on
+    # epochs of 6: the first passes over all 6 (trained on already), the next ones
+    # train all theirs (a position left over from the first skipped 2 of the
+    # second before).
+    x, y = data(40)
+    backup = str(tmp_path / "backup")
+
+    class Crash(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            if self.epoch == 1 and batch == 7:
+                raise KeyboardInterrupt
+
+    crashed = _accumulating(steps_per_execution=1)
+    with pytest.raises(KeyboardInterrupt):
+        crashed.fit(x, y, batch_size=4, epochs=3, shuffle=False, verbose=0, callbacks=[
+            keras.callbacks.BackupAndRestore(backup, save_freq=1, delete_checkpoint=False),
+            Crash()])
+    restored = int(crashed.optimizer.iterations)
+
+    copies = iter(range(2))
+
+    def run(model):
+        # Each run resumes from the crash's backup (a copy: a run writes its own).
+        copy = shutil.copytree(backup, tmp_path / f"copy{next(copies)}")
+        model.fit(x[:24], y[:24], batch_size=4, epochs=3, shuffle=False, verbose=0,
+                  callbacks=[keras.callbacks.BackupAndRestore(str(copy), save_freq=1)])
+
+    one, two = _both(run)
+    # Epoch 1 passes over its 6, and its end flushes the window restored open (2
+    # micro-batches: 8 - 6); epoch 2 trains its 6 in two windows.
+    assert int(two.optimizer.iterations) == restored + 3

@@ -243,14 +243,16 @@ class Accumulation(adapter.Accumulation):
 
     def epoch_began(self, hook, resume_skip: int) -> None:
         """The host's count of the window starts from the state (one read per
-        epoch), after the hook set the epoch's fields."""
-        if self._phases is None or self.state is None:
+        epoch), after the hook set the epoch's fields; the restored micro-batches
+        are passed over where the step passes over them (`TrainStep.held`)."""
+        if self._phases is None or self.state is None or self.step is None:
             return
         named = self.state.named()
         length, epoch_length = jax.device_get(
             (named["micro_step"].value + named["window_skipped"].value,
              named["epoch_length"].value))
-        self._phases.window.start(int(length), 0, int(epoch_length), resume_skip)
+        skip = resume_skip if self.step.holds_restored else 0
+        self._phases.window.start(int(length), 0, int(epoch_length), skip)
 
     def _step_of_size(self, size: int, donate: bool, state):
         """The step that splits batches into micro-batches of `size` samples,

@@ -24,6 +24,9 @@ a count gone wrong never trains on silently with windows of another length.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 
 from gradaccum.backends.jax import retry
@@ -45,11 +48,11 @@ class Phases:
         accumulation: the model's JAX `Accumulation` (its `step` and `host`).
     """
 
-    def __init__(self, accumulation):
+    def __init__(self, accumulation) -> None:
         self.accumulation = accumulation
         options = accumulation.options
         self.window = HostWindow(options.window, options.partial)
-        self.compiled: dict[bool, object] = {}
+        self.compiled: dict[bool, Callable[..., Any]] = {}
         # Micro-batches run by each step, for tests and benchmarks.
         self.calls = {True: 0, False: 0}
 
@@ -58,7 +61,7 @@ class Phases:
         if closes not in self.compiled:
             step = self.accumulation.step
 
-            def phase(state, data):
+            def phase(state, data) -> tuple:
                 return step(state, data, closes=closes)
 
             self.compiled[closes] = retry.compiled(self.accumulation.host, phase, state)

@@ -378,7 +378,7 @@ class TrainStep:
         but the epoch's position: a restored run's batch already trained on
         (BackupAndRestore inside an epoch), or after an error (the rest of a
         compiled call of several batches, before fit raises: nothing at all)."""
-        if not (self.resumable or self.policy.raises):
+        if not self.holds_restored:
             return
         ours = entry.ours
         halted = ours["error"] > 0
@@ -396,6 +396,13 @@ class TrainStep:
         )
         carry.ours["epoch_step"] = epoch_step
         carry.ours["resume_skip"] = resume_skip
+
+    @property
+    def holds_restored(self) -> bool:
+        """Whether the step passes over the micro-batches a restored run trained on
+        already (`resume_skip`): compiled in only where the fit can restore inside an
+        epoch, or where an error halts the step (`held`)."""
+        return self.resumable or self.policy.raises
 
     # Pieces -------------------------------------------------------------------------
 
