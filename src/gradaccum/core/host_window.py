@@ -15,8 +15,8 @@ outside an epoch, or with a rule whose windows close on values (a weight budget,
 schedule read at an update index that skipped windows do not advance), it knows
 nothing, and every micro-batch may close. `decide` in `gradaccum.core.transitions`
 stays the rule the step applies: a micro-batch this count says closes runs the
-whole step, which decides on the device as always; the count is checked against
-the device's at the epoch's end.
+whole step, which decides on the device as always; the step without the close
+records an error where a window was due all the same (`transitions.unclosed`).
 """
 
 from __future__ import annotations
