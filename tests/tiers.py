@@ -645,15 +645,28 @@ SLOW = [
     # Issue 56: the type checker (mypy, about 30 s per run: the package, then the public
     # API strictly; each from a cold cache).
     "test_types.py",
-    # Issue 54: the contract's fit tests again with JAX's two steps (a GPU's path);
-    # their own module's cases beyond one of each partial stay fast.
+    # Issue 54: JAX's two steps (a GPU's path; a CPU runs them only when asked): the
+    # contract's fit tests again with them, and their own module but for the CPU's
+    # default, one partial and the compiled steps' structure.
     "jax_backend/test_jax_phases_contract.py",
+    "jax_backend/test_jax_phases.py::test_only_the_micro_batches_that_may_close_run_the_close"
+    "[1-drop]",
+    "jax_backend/test_jax_phases.py::test_only_the_micro_batches_that_may_close_run_the_close"
+    "[1-carry]",
     "jax_backend/test_jax_phases.py::test_only_the_micro_batches_that_may_close_run_the_close"
     "[4-flush]",
     "jax_backend/test_jax_phases.py::test_only_the_micro_batches_that_may_close_run_the_close"
     "[4-drop]",
     "jax_backend/test_jax_phases.py::test_only_the_micro_batches_that_may_close_run_the_close"
     "[4-carry]",
+    "jax_backend/test_jax_phases.py::test_train_on_batch_outside_fit_runs_the_whole_step",
+    "jax_backend/test_jax_phases.py::test_a_count_gone_wrong_is_raised_at_the_epochs_end",
+    "jax_backend/test_jax_phases.py::"
+    "test_load_weights_between_epochs_counts_from_the_loaded_window",
+    "jax_backend/test_jax_phases.py::"
+    "test_a_position_loaded_by_a_callback_of_its_own_trains_every_micro_batch",
+    "jax_backend/test_jax_phases.py::"
+    "test_a_restored_position_past_the_epochs_end_passes_over_that_epoch_only",
 ]
 
 HUB = [
