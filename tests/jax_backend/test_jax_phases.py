@@ -15,7 +15,15 @@ import jax
 import keras
 import numpy as np
 import pytest
-from largebatch import SCE, assert_optimizer_close, assert_weights_close, data, mlp
+from largebatch import (
+    SCE,
+    assert_optimizer_close,
+    assert_weights_close,
+    data,
+    mlp,
+    reference_fit,
+    windows_of,
+)
 
 import gradaccum
 from gradaccum.backends.jax import phases as phases_module
@@ -54,31 +62,20 @@ def _phases(model):
     return model._gradaccum_accumulation._phases
 
 
-def _reference(x, y, windows, epochs):
-    """Plain Keras, one `train_on_batch` per window (index arrays), per epoch."""
+def _reference(x, y, lengths, epochs):
+    """Plain Keras on windows of `lengths` micro-batches of 4, each epoch."""
     model = mlp(0)
     model.compile(keras.optimizers.Adam(0.05), SCE)
-    for epoch in range(epochs):
-        for index in windows[epoch]:
-            model.train_on_batch(x[index], y[index])
-    return model
-
-
-def _windows(lengths, batch=4):
-    """Index arrays of windows of `lengths` micro-batches of `batch` samples."""
-    out, start = [], 0
-    for length in lengths:
-        out.append(np.arange(start, start + length * batch))
-        start += length * batch
-    return out
+    return reference_fit(model, windows_of([4] * (len(x) // 4), lengths), x, y,
+                         epochs=epochs)
 
 
 # An epoch of 10 micro-batches of 4, windows of 3: where each epoch's windows end.
 CASES = {
     # The epoch's last window (1 micro-batch) applied at its end, every epoch.
-    "flush": ([[3, 3, 3, 1], [3, 3, 3, 1]], 8),
+    "flush": ([3, 3, 3, 1], 8),
     # ... or dropped: its micro-batch trains nothing.
-    "drop": ([[3, 3, 3], [3, 3, 3]], 8),
+    "drop": ([3, 3, 3], 8),
     # ... or carried: the second epoch's windows start one micro-batch in.
     "carry": (None, 6),
 }
@@ -97,12 +94,10 @@ def test_only_the_micro_batches_that_may_close_run_the_close(partial, steps_per_
     if windows is None:
         # carry: windows run across the epoch's end (x twice, the first epoch's
         # last micro-batch opening the second epoch's first window).
-        twice = np.concatenate([np.arange(40), np.arange(40)])
-        index = [twice[w] for w in _windows([3] * 6)]
-        reference = _reference(x, y, [index], 1)
+        reference = _reference(np.concatenate([x, x]), np.concatenate([y, y]), [3] * 6, 1)
         assert model._gradaccum_accumulation.open_micro_batches() == 2
     else:
-        reference = _reference(x, y, [_windows(w) for w in windows], 2)
+        reference = _reference(x, y, windows, 2)
     assert_weights_close(model, reference)
     assert_optimizer_close(model.optimizer, reference.optimizer)
     assert int(model.optimizer.iterations) == int(reference.optimizer.iterations)

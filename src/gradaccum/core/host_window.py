@@ -37,7 +37,7 @@ class HostWindow:
 
         >>> from gradaccum.core.window import WindowSpec
         >>> window = HostWindow(WindowSpec(steps=3), "flush")
-        >>> window.start(length=0, epoch_step=0, epoch_length=5, resume_skip=0)
+        >>> window.start(length=0, epoch_length=5, resume_skip=0)
         >>> [window.may_close() for _ in range(5)]
         [False, False, True, False, True]
     """
@@ -60,13 +60,12 @@ class HostWindow:
     def known(self) -> bool:
         return self.length is not None
 
-    def start(self, length: int, epoch_step: int, epoch_length: int | None,
-              resume_skip: int) -> None:
+    def start(self, length: int, epoch_length: int | None, resume_skip: int) -> None:
         """Counts from the state as an epoch begins: the open window's length
-        (skipped micro-batches included), the epoch's position and length (-1 or
-        None: unknown) and the micro-batches a restored run skips first."""
+        (skipped micro-batches included), the epoch's length (-1 or None: unknown)
+        and the micro-batches a restored run skips first."""
         self.length = int(length)
-        self.epoch_step = int(epoch_step)
+        self.epoch_step = 0
         self.epoch_length = -1 if epoch_length is None else int(epoch_length)
         self.resume_skip = int(resume_skip)
 

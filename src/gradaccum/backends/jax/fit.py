@@ -247,12 +247,9 @@ class Accumulation(adapter.Accumulation):
         are passed over where the step passes over them (`TrainStep.held`)."""
         if self._phases is None or self.state is None or self.step is None:
             return
-        named = self.state.named()
-        length, epoch_length = jax.device_get(
-            (named["micro_step"].value + named["window_skipped"].value,
-             named["epoch_length"].value))
         skip = resume_skip if self.step.holds_restored else 0
-        self._phases.window.start(int(length), 0, int(epoch_length), skip)
+        # The epoch's length is the one the hook gave the state as the fit began.
+        self._phases.window.start(self.open_micro_batches(), self.epoch_length(hook), skip)
 
     def _step_of_size(self, size: int, donate: bool, state):
         """The step that splits batches into micro-batches of `size` samples,

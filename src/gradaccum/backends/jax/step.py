@@ -163,14 +163,14 @@ class TrainStep:
         tr.track_terms(fit, record, normalizers)
         before = carry.non_trainable
         carry.non_trainable = list(self.forward_state)
+        end = tr.end_of_data(fit)
         accepted = tr.micro_batch(
             self.policy, record, gradients, weight, weighted=weighted,
             loss_scale=self.growth_steps if self.loss_scaled else None,
-            end=tr.end_of_data(fit), fit=fit, direct=self.direct, unit=unit,
-            closes=closes,
+            end=end, fit=fit, direct=self.direct, unit=unit, closes=closes,
         )
         if not closes:
-            tr.unclosed(self.policy, record, tr.end_of_data(fit))
+            tr.unclosed(self.policy, record, end)
         carry.non_trainable = kept_unless(accepted, carry.non_trainable, before)
         self.follow(carry, before, self.forward_state, record.outcome)
         logs, carry.metrics = self.stateless_metrics(
