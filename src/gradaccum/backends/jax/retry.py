@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import keras
 
-from gradaccum.backends.jax.step import Shards, batch_size
+from gradaccum.backends.jax.split_step import Shards, batch_size
 
 # What XLA's out-of-memory errors say (compiled: RESOURCE_EXHAUSTED; dispatched
 # without jit on CPU: INTERNAL ... Out of memory).
