@@ -24,9 +24,9 @@ from gradaccum.core.transitions import Record
 def all_finite(gradients):
     """Whether every element of every gradient is finite: one boolean reduction per
     gradient (`all(isfinite)`, fused into one pass), joined by `&`, no branch.
-    Measured on XLA's CPU client (`benchmarks/step.py`, MLP b=8 k=4) it costs a third
-    of what a float sum of `g * 0` did (the form before), which also kept the update
-    waiting on a float reduction per gradient."""
+    Measured on XLA's CPU client (`benchmarks/step.py`, MLP b=8 k=4) it costs less
+    than half of what a float sum of `g * 0` per gradient did (the form before;
+    BENCHMARKS.md, "JAX on a CPU")."""
     values = [g for g in gradients if g is not None]
     verdict = jnp.asarray(True)
     for v in values:
