@@ -208,6 +208,19 @@ def check_batch_dimensions(first_dimensions, shapes) -> None:
         )
 
 
+def split_batch_size(data) -> int:
+    """The (static) number of samples in a batch to split into micro-batches (JAX
+    and PyTorch): the first dimension its arrays agree on."""
+    leaves = [t for t in keras.tree.flatten(data) if t is not None]
+    if not leaves or any(len(t.shape) == 0 for t in leaves):
+        raise ValueError(
+            "A batch to split into micro-batches must hold arrays with a batch "
+            f"dimension. Received: arrays of shapes {[tuple(t.shape) for t in leaves]}"
+        )
+    check_batch_dimensions([t.shape[0] for t in leaves], [t.shape for t in leaves])
+    return int(leaves[0].shape[0])
+
+
 def check_choice(name: str, value, choices: Sequence[str]) -> str:
     """Returns `value` if it is one of `choices`, else raises ValueError."""
     if not isinstance(value, str) or value not in choices:

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import keras
 
-from gradaccum._validation import check_batch_dimensions
+from gradaccum._validation import split_batch_size as batch_size
 from gradaccum.backends.jax.record import Carry, FitRecord, kept_unless
 from gradaccum.core import transitions as tr
 from gradaccum.core.state import ERROR_FIELDS, accumulator_name
@@ -143,19 +143,6 @@ def split_batch(step, carry: Carry, data, size):
             lambda new, old: jnp.where(failed, old, new), after, old
         )
     return logs
-
-
-def batch_size(data) -> int:
-    """The (static) number of samples in a batch to split: the first dimension its
-    arrays agree on."""
-    leaves = jax.tree_util.tree_leaves(data)
-    if not leaves or any(len(t.shape) == 0 for t in leaves):
-        raise ValueError(
-            "A batch to split into micro-batches must hold arrays with a batch "
-            f"dimension. Received: arrays of shapes {[tuple(t.shape) for t in leaves]}"
-        )
-    check_batch_dimensions([t.shape[0] for t in leaves], [t.shape for t in leaves])
-    return int(leaves[0].shape[0])
 
 
 class Shards:

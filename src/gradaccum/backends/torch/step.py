@@ -30,7 +30,7 @@ import keras
 import torch
 
 from gradaccum import _keras_common as kc
-from gradaccum._validation import check_batch_dimensions
+from gradaccum._validation import split_batch_size as batch_size
 from gradaccum.backends.torch import own_step as _own_step
 from gradaccum.backends.torch.record import (
     FieldRecord,
@@ -462,15 +462,3 @@ class TrainStep:
                                else torch.stack(counts).max()).float()
         return logs
 
-
-def batch_size(data) -> int:
-    """The number of samples in a batch to split: the first dimension its arrays
-    agree on."""
-    leaves = [t for t in keras.tree.flatten(data) if t is not None]
-    if not leaves or any(len(t.shape) == 0 for t in leaves):
-        raise ValueError(
-            "A batch to split into micro-batches must hold arrays with a batch "
-            f"dimension. Received: arrays of shapes {[tuple(t.shape) for t in leaves]}"
-        )
-    check_batch_dimensions([t.shape[0] for t in leaves], [t.shape for t in leaves])
-    return int(leaves[0].shape[0])
