@@ -578,7 +578,7 @@ class Accumulation(abc.ABC):
             tr.warn_inexact(stacklevel=4)
         if "unequal" not in self._warned and bool(self.fit_field("unequal").numpy()):
             self._warned.add("unequal")
-            warnings.warn(overwrite.UNEQUAL, stacklevel=4)
+            warnings.warn(self.unequal_message(), stacklevel=4)
         skipped = self.skipped() - self.skipped_at_start
         if (self.options.nonfinite == "skip" and skipped > 0 and not self.loss_scaled()
                 and "skipped" not in self._warned):
@@ -597,6 +597,20 @@ class Accumulation(abc.ABC):
                     self._warned.add(key)
                     warnings.warn(f"Accumulation is approximate for this model. {text}",
                                   stacklevel=4)
+
+    def unequal_message(self) -> str:
+        """What a float8 window's weight can have differed by under this fit's
+        settings (`overwrite.unequal_message`)."""
+        options = self.options
+        window = options.window
+        budget = window.weight_per_update is not None
+        return overwrite.unequal_message(
+            weights=options.weighting != "uniform",
+            unknown_end=(options.partial == "flush" and not options.split and not budget
+                         and int(self.fit_field("epoch_length").numpy()) <= 0),
+            budget=budget and not options.split,
+            skips=self.skipped() > 0,
+        )
 
     def size_chosen(self) -> None:
         """`micro_batch_size="auto"` ran a batch: the host's `micro_batch_size`

@@ -82,10 +82,7 @@ def test_a_float8_block_trains_as_the_large_batch(mode):
         gradaccum.accumulate(model, micro_batch_size=8)
         batch_size = 16
     model.compile(keras.optimizers.Adam(1e-2), SCE)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
-    assert not [w for w in caught if "different weights" in str(w.message)]
+    assert not fit_warned(model, x, y, batch_size=batch_size, epochs=2)
     reference = plain_fit(16)
     gap = gaps(model, reference)
     assert max(gap.values()) < 1e-5, {p: g for p, g in gap.items() if g >= 1e-5}
@@ -112,6 +109,113 @@ def test_a_flushed_partial_window_measures_its_own_gradient():
     gap = gaps(model, reference)
     assert max(gap.values()) < 1e-5, {p: g for p, g in gap.items() if g >= 1e-5}
     assert int(model.optimizer.iterations) == 6
+
+
+def batches(x, y, size):
+    """A generator of `(x, y)` batches: data whose length `fit` cannot know."""
+
+    def generate():
+        for start in range(0, len(x), size):
+            yield x[start:start + size], y[start:start + size]
+
+    return generate()
+
+
+def float8_warnings(caught) -> list:
+    return [str(w.message) for w in caught if "this float8 model" in str(w.message)]
+
+
+def fit_warned(model, *args, **kwargs) -> list:
+    """`model.fit(*args, **kwargs)` in order; the float8 warnings it gave."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(*args, shuffle=False, verbose=0, **kwargs)
+    return float8_warnings(caught)
+
+
+def test_a_partial_window_flushed_at_an_unknown_end_is_warned():
+    # 40 samples from a generator in micro-batches of 8 at steps=2: the last window
+    # holds one micro-batch, whose loss the step divided by the full window's
+    # weight (nothing says the data ends), so float8 quantized half its gradient.
+    # Before the fix nothing said so (the first layer's output-gradient history
+    # ended 3.6x the large batch's in the review's MLP).
+    x, y = block_data(40)
+    model = gradaccum.accumulate(block(), steps=2, partial="flush")
+    model.compile(keras.optimizers.Adam(1e-2), SCE)
+    found = fit_warned(model, batches(x, y, 8))
+    assert len(found) == 1, found
+    assert "whose length `fit` did not know" in found[0]
+    assert 'partial="drop"' in found[0]
+    assert int(model.optimizer.iterations) == 3  # flushed all the same
+
+
+@pytest.mark.parametrize("partial", ["drop", "carry"])
+def test_an_unknown_end_that_flushes_nothing_is_not_warned(partial):
+    x, y = block_data(40)
+    model = gradaccum.accumulate(block(), steps=2, partial=partial)
+    model.compile(keras.optimizers.Adam(1e-2), SCE)
+    assert not fit_warned(model, batches(x, y, 8))
+    assert int(model.optimizer.iterations) == 2
+
+
+def test_a_generator_of_whole_windows_is_exact_and_not_warned():
+    # The same generator, 32 samples: every window is whole, so the unknown length
+    # costs nothing and nothing is said.
+    x, y = block_data(32)
+    model = gradaccum.accumulate(block(), steps=2, partial="flush")
+    model.compile(keras.optimizers.Adam(1e-2), SCE)
+    assert not fit_warned(model, batches(x, y, 8))
+    gap = gaps(model, plain_fit(16, epochs=1, n=32))
+    assert max(gap.values()) < 1e-5, {p: g for p, g in gap.items() if g >= 1e-5}
+
+
+def test_a_scheduled_window_flushed_at_a_known_end_is_exact():
+    # A schedule (windows of 2, then 3 from the second update) over 5 micro-batches
+    # of 8 per epoch: windows of 2 and 3, then the next epoch's 3 and 2 (the last
+    # one flushed, shortened by the epoch's known end). The step divides by what
+    # is left of the epoch as it does for a constant `steps`.
+    x, y = block_data(40)
+    model = gradaccum.accumulate(block(), steps=[(0, 2), (1, 3)], partial="flush")
+    model.compile(keras.optimizers.Adam(1e-2), SCE)
+    assert not fit_warned(model, x, y, batch_size=8, epochs=2)
+    reference = block()
+    reference.compile(keras.optimizers.Adam(1e-2), SCE)
+    for start, end in ((0, 16), (16, 40), (0, 24), (24, 40)):
+        reference.train_on_batch(x[start:end], y[start:end])
+    gap = gaps(model, reference)
+    assert max(gap.values()) < 1e-5, {p: g for p, g in gap.items() if g >= 1e-5}
+    assert int(model.optimizer.iterations) == 4
+
+
+def test_a_weight_budget_passed_is_warned():
+    # A budget of 20 samples over micro-batches of 8: each window closes at 24,
+    # while its micro-batches' losses were divided by 20.
+    x, y = block_data(48)
+    model = gradaccum.accumulate(block(), weight_per_update=20)
+    model.compile(keras.optimizers.Adam(1e-2), SCE)
+    found = fit_warned(model, x, y, batch_size=8)
+    assert len(found) == 1 and "`weight_per_update`" in found[0], found
+
+
+def test_a_weight_budget_met_exactly_is_exact_and_not_warned():
+    x, y = block_data(48)
+    model = gradaccum.accumulate(block(), weight_per_update=24)
+    model.compile(keras.optimizers.Adam(1e-2), SCE)
+    assert not fit_warned(model, x, y, batch_size=8)
+    gap = gaps(model, plain_fit(24, epochs=1, n=48))
+    assert max(gap.values()) < 1e-5, {p: g for p, g in gap.items() if g >= 1e-5}
+
+
+def test_a_skipped_micro_batch_in_a_float8_window_is_warned():
+    # The second micro-batch of the first window is not finite: the first one's
+    # loss was divided by the weight of two.
+    x, y = block_data(32)
+    x[8:16] = np.nan
+    model = gradaccum.accumulate(block(), steps=2)
+    model.compile(keras.optimizers.Adam(1e-2), SCE)
+    found = fit_warned(model, x, y, batch_size=8)
+    assert len(found) == 1 and "skipped a micro-batch" in found[0], found
+    assert int(model.optimizer.iterations) == 2
 
 
 def tokens(seed: int = 0) -> keras.Model:

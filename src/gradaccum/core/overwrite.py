@@ -192,18 +192,44 @@ def unknown_rule_message(unknown) -> str:
     )
 
 
-#: Warned once at `fit` when a window of a float8 model held micro-batches that weigh
-#: differently (`transitions.micro_batch`).
-UNEQUAL = (
-    "A window of this float8 model held micro-batches of different weights (sizes, "
-    "or unmasked elements): each micro-batch's loss was divided by the window's "
-    "weight as expected from those before it, so float8 quantized the gradient of "
-    "the window's first micro-batches at another size than one step on the whole "
-    "window does. The weights, and the output-gradient amax histories of all but "
-    "the layer nearest the loss, are close to, not exactly, the large batch's. "
-    "Equal micro-batches (batch sizes that divide the data, no masks varying "
-    "between micro-batches) make it exact."
-)
+def unequal_message(*, weights: bool = True, unknown_end: bool = False,
+                    budget: bool = False, skips: bool = False) -> str:
+    """Warned once at `fit` where a window of a float8 model was differentiated over
+    another weight than it ended with (`transitions.micro_batch` and `close` flag
+    it), naming the causes the fit's settings make possible: micro-batches of
+    different `weights`; a partial window flushed at the end of data of unknown
+    length (`unknown_end`); a weight `budget` not met exactly; skipped
+    micro-batches (`skips`)."""
+    causes = []
+    if weights:
+        causes.append(
+            "held micro-batches of different weights (sizes, or unmasked elements): "
+            "equal micro-batches (batch sizes that divide the data, no masks varying "
+            "between micro-batches) make it exact")
+    if unknown_end:
+        causes.append(
+            "ended with a partial window flushed at the end of data whose length "
+            "`fit` did not know (a generator, a `tf.data` pipeline of unknown "
+            "cardinality), whose micro-batches were divided by the full window's "
+            "weight: give `fit` data of a known length (arrays, `steps_per_epoch`) "
+            "or use `partial=\"drop\"`")
+    if budget:
+        causes.append(
+            "did not weigh exactly `weight_per_update` (a budget passed by the "
+            "micro-batch that reached it, or a last window short of it): micro-batch "
+            "weights that divide the budget make it exact")
+    if skips:
+        causes.append(
+            "skipped a micro-batch (not finite) whose weight the ones before it "
+            "expected")
+    return (
+        "A window of this float8 model " + "; or ".join(causes) + ". Each "
+        "micro-batch's loss was divided by the window's weight as expected when it "
+        "ran, so float8 quantized its gradient at another size than one step on the "
+        "whole window does. The weights, and the output-gradient amax histories of "
+        "all but the layer nearest the loss, are close to, not exactly, the large "
+        "batch's."
+    )
 
 
 def _listed(paths, limit: int = 6) -> str:

@@ -284,16 +284,17 @@ def loss_unit(policy: Policy, record, weight, replicas: int = 1, length=None, fi
     before = ops.cast(window_length(record), "float32")
     if length is not None:
         length = ops.cast(length, "float32")
-    elif rule.constant is not None:
-        length = float(rule.constant)
+    elif rule.constant is not None or rule.scheduled:
+        if rule.constant is not None:
+            length = float(rule.constant)
+        else:
+            length = ops.cast(_scheduled_length(rule, record, window_length(record) == 0),
+                              "float32")
         if fit is not None and policy.partial == "flush" and fit.has("epoch_length"):
             # The window the data ends in holds what is left of the epoch.
             epoch_length = fit.get("epoch_length")
             left = ops.cast(epoch_length - fit.get("epoch_step") + 1, "float32")
             length = ops.where(epoch_length > 0, ops.minimum(length, before + left), length)
-    elif rule.scheduled:
-        length = ops.cast(_scheduled_length(rule, record, window_length(record) == 0),
-                          "float32")
     else:
         length = 1.0
     expected = held + weight * ops.maximum(length - before, 1.0)
@@ -570,7 +571,36 @@ def close(policy: Policy, record, apply, close, gradients=None, fit=None):
         recorded(record, applied, window_length(record), record.get("total_weight"), fit)
         emptied(record)
 
+    if gradients is None and fit is not None and fit.has("unequal") and any(
+            record.overwrites) and policy.mean:
+        # The window's float8 micro-batches were differentiated over a weight it did
+        # not end with: flagged as unequal weights are (`micro_batch`).
+        unequal = apply & record.holds() & _unexpected_weight(policy, record, fit)
+        fit.set("unequal", fit.get("unequal") | unequal)
     return record.close(apply, close, update, finish, empty_sums=gradients is None)
+
+
+def _unexpected_weight(policy: Policy, record, fit):
+    """Whether a window closing now holds another weight than its micro-batches'
+    `loss_unit` expected: a weight budget's window above or below the budget; a
+    window shorter than its length where the epoch's length was unknown (a partial
+    window flushed at the end of data that `fit` could not count); a skipped
+    micro-batch, whose weight the ones before it expected. (A window the known end
+    of an epoch shortens was expected so.)"""
+    rule = policy.rule
+    skipped = record.get("window_skipped") > 0
+    if rule.weight_per_update is not None:
+        weight = ops.cast(record.window_weight(), "float32")
+        budget = float(rule.weight_per_update)
+        return skipped | (ops.abs(weight - budget) > 1e-6 * budget)
+    if rule.constant is not None:
+        length = rule.constant
+    elif rule.scheduled:
+        length = record.get("window_steps")
+    else:
+        return skipped
+    unknown = ~(fit.get("epoch_length") > 0) if fit.has("epoch_length") else True
+    return skipped | ((window_length(record) < length) & unknown)
 
 
 def recorded(record, apply, micro_batches, weight, fit=None) -> None:
