@@ -1,7 +1,8 @@
 """What carrying accumulate's state through Keras's JAX `fit` costs, apart from its
 step's work: plain fit; plain fit `carrying` as many more arrays through its compiled
 step and as many more log entries as `accumulate` has (the arrays of the sums' shapes,
-each changed by one elementwise op, the logs copies of the loss); Keras's built-in
+each changed by one elementwise op, the logs copies of the loss), and the same with
+the sums' shapes as one flat array (`carrying flat`); Keras's built-in
 `gradient_accumulation_steps`; and `accumulate`. One micro-batch per call
 (`steps_per_execution=1`), where Keras's loop pays per array and per log each call.
 
@@ -15,6 +16,7 @@ of per-round ratios with their interquartile range. Nothing is asserted.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import pathlib
 import statistics
@@ -37,9 +39,11 @@ def carried(model) -> int:
     return len(jax.tree_util.tree_leaves(state))
 
 
-def carrying(workload: str, arrays: int, logs: int):
+def carrying(workload: str, arrays: int, logs: int, flat: bool = False):
     """Plain fit's model of `workload` carrying `arrays` more arrays (the trainable
-    variables' shapes first, then scalars) and `logs` more log entries."""
+    variables' shapes first, then scalars) and `logs` more log entries. `flat`: the
+    trainable variables' shapes as one flat array of their total size (what one flat
+    buffer of sums per dtype would carry)."""
     import keras
     import workloads
 
@@ -56,7 +60,10 @@ def carrying(workload: str, arrays: int, logs: int):
     base = workloads.build(workload)
     model = Carrying(base.inputs, base.outputs)
     shapes = [v.shape for v in model.trainable_variables][:arrays]
-    shapes += [()] * (arrays - len(shapes))
+    scalars = arrays - len(shapes)
+    if flat:
+        shapes = [(sum(math.prod(shape) for shape in shapes),)]
+    shapes += [()] * scalars
     before = len(model.non_trainable_variables)
     for i, shape in enumerate(shapes):
         model.add_weight(shape=shape, initializer="zeros", trainable=False, name=f"carried{i}")
@@ -88,8 +95,10 @@ def main(argv=None):
     extra_logs = len(set(logs["accumulate"]) - set(logs["plain"]))
     models = {"plain": models["plain"],
               "carrying": carrying(args.workload, arrays, extra_logs),
+              "carrying flat": carrying(args.workload, arrays, extra_logs, flat=True),
               "builtin": models["builtin"], "accumulate": models["accumulate"]}
     models["carrying"].fit(x, y, **fit)
+    models["carrying flat"].fit(x, y, **fit)
     names = list(models)
     per_batch = len(x) // args.b
     times = {name: [] for name in names}
@@ -104,7 +113,7 @@ def main(argv=None):
     for name in names:
         speed = sorted(p / t for p, t in zip(times["plain"], times[name]))
         q = len(speed) // 4
-        print(f"  {name:11s} {statistics.median(times[name]) * 1e6:7.1f} us a micro-batch;"
+        print(f"  {name:13s} {statistics.median(times[name]) * 1e6:7.1f} us a micro-batch;"
               f"  speed / plain {statistics.median(speed):.3f} "
               f"(IQR {speed[q]:.3f}-{speed[-q - 1]:.3f})")
 
