@@ -134,6 +134,11 @@ class Accumulation(abc.ABC):
         self.announced = None
         # Micro-batches skipped before the running fit began (its hook sets it).
         self.skipped_at_start = 0
+        # Whether the model has float8 layers whose micro-batches gradaccum's step
+        # divides by the window's expected weight (`check_overwrites`), and whether
+        # a window of theirs was flushed short at the end of the data (`data_ends`).
+        self.float8_divided = False
+        self.short_end = False
         self._pending = {}
         self._warned = set()
         # Within a save that writes the window itself (gradaccum.model_file).
@@ -424,6 +429,7 @@ class Accumulation(abc.ABC):
         if self.options.privacy is not None:
             raise ValueError(overwrite.privacy_message(overwrite.names(variables)))
         measured = overwrite.gradient_measured(self.layers, variables)
+        self.float8_divided = bool(measured) and self.own_train_step is None
         if measured and self.own_train_step is not None:
             warnings.warn(overwrite.own_step_message(measured), stacklevel=3)
         unknown = overwrite.unknown_rules(self.layers, variables)
@@ -576,7 +582,8 @@ class Accumulation(abc.ABC):
         if self.inexact() and "inexact" not in self._warned:
             self._warned.add("inexact")
             tr.warn_inexact(stacklevel=4)
-        if "unequal" not in self._warned and bool(self.fit_field("unequal").numpy()):
+        if (self.float8_divided and "unequal" not in self._warned
+                and bool(self.fit_field("unequal").numpy())):
             self._warned.add("unequal")
             warnings.warn(self.unequal_message(), stacklevel=4)
         skipped = self.skipped() - self.skipped_at_start
@@ -598,18 +605,29 @@ class Accumulation(abc.ABC):
                     warnings.warn(f"Accumulation is approximate for this model. {text}",
                                   stacklevel=4)
 
-    def unequal_message(self) -> str:
-        """What a float8 window's weight can have differed by under this fit's
-        settings (`overwrite.unequal_message`)."""
+    def data_ends(self) -> None:
+        """Before the window the data ends in closes: notes a float8 window flushed
+        short of its length where the data ended before the epoch's known length or
+        at an end `fit` could not know (for `unequal_message`)."""
         options = self.options
-        window = options.window
-        budget = window.weight_per_update is not None
+        if (not self.float8_divided or self.state is None or options.partial != "flush"
+                or options.split or options.window.weight_per_update is not None
+                or not self.open_micro_batches()):
+            return
+        length = int(self.fit_field("epoch_length").numpy())
+        if length <= 0 or int(self.fit_field("epoch_step").numpy()) < length:
+            self.short_end = True
+
+    def unequal_message(self) -> str:
+        """Why a float8 window's weight differed from the one its micro-batches were
+        divided by, as far as this fit's settings and its ends tell
+        (`overwrite.unequal_message`)."""
+        options = self.options
+        budget = options.window.weight_per_update is not None and not options.split
         return overwrite.unequal_message(
+            short_end=self.short_end, budget=budget,
+            skips=self.skipped() > self.skipped_at_start,
             weights=options.weighting != "uniform",
-            unknown_end=(options.partial == "flush" and not options.split and not budget
-                         and int(self.fit_field("epoch_length").numpy()) <= 0),
-            budget=budget and not options.split,
-            skips=self.skipped() > 0,
         )
 
     def size_chosen(self) -> None:

@@ -88,6 +88,7 @@ class EpochHook(keras.callbacks.Callback):
         accumulation = self.accumulation
         accumulation.synced(self)
         accumulation.after_batch(self, logs)
+        accumulation.data_ends()
         accumulation.end_of_data()
         self._field("epoch_step").assign(0)
         accumulation.write_logs(logs)
@@ -115,6 +116,9 @@ def begin_fit(accumulation, hook, epochs, callbacks, kwargs):
     if accumulation.state is not None:
         accumulation.fit_field("epoch_step").assign(0)
         accumulation.fit_field("resume_skip").assign(0)
+        # A float8 window's weight is warned of per fit (`Accumulation.warn`).
+        accumulation.fit_field("unequal").assign(False)
+    accumulation.short_end = False
     return callbacks
 
 

@@ -192,27 +192,23 @@ def unknown_rule_message(unknown) -> str:
     )
 
 
-def unequal_message(*, weights: bool = True, unknown_end: bool = False,
-                    budget: bool = False, skips: bool = False) -> str:
+def unequal_message(*, short_end: bool = False, budget: bool = False,
+                    skips: bool = False, weights: bool = True) -> str:
     """Warned once at `fit` where a window of a float8 model was differentiated over
     another weight than it ended with (`transitions.micro_batch` and `close` flag
-    it), naming the causes the fit's settings make possible: micro-batches of
-    different `weights`; a partial window flushed at the end of data of unknown
-    length (`unknown_end`); a weight `budget` not met exactly; skipped
-    micro-batches (`skips`)."""
+    it), naming the causes, those the fit saw first: a partial window flushed where
+    the data ended before the step knew it would (`short_end`); a weight `budget`
+    not met exactly; a skipped micro-batch (`skips`); then what the settings allow,
+    micro-batches of different `weights`."""
     causes = []
-    if weights:
+    if short_end:
         causes.append(
-            "held micro-batches of different weights (sizes, or unmasked elements): "
-            "equal micro-batches (batch sizes that divide the data, no masks varying "
-            "between micro-batches) make it exact")
-    if unknown_end:
-        causes.append(
-            "ended with a partial window flushed at the end of data whose length "
-            "`fit` did not know (a generator, a `tf.data` pipeline of unknown "
-            "cardinality), whose micro-batches were divided by the full window's "
-            "weight: give `fit` data of a known length (arrays, `steps_per_epoch`) "
-            "or use `partial=\"drop\"`")
+            "ended with a partial window flushed where the data ended before the "
+            "epoch's length or at an end `fit` did not know (a generator, a "
+            "`tf.data` pipeline of unknown cardinality): its micro-batches were "
+            "divided by the full window's weight. Give `fit` data of a known length "
+            "that reaches it (arrays, or `steps_per_epoch` the data can fill), or use "
+            "`partial=\"drop\"`")
     if budget:
         causes.append(
             "did not weigh exactly `weight_per_update` (a budget passed by the "
@@ -220,8 +216,13 @@ def unequal_message(*, weights: bool = True, unknown_end: bool = False,
             "weights that divide the budget make it exact")
     if skips:
         causes.append(
-            "skipped a micro-batch (not finite) whose weight the ones before it "
-            "expected")
+            "skipped a micro-batch (not finite) after accepting one, whose loss was "
+            "divided by a weight that counted the skipped one")
+    if weights or not causes:
+        causes.append(
+            "held micro-batches of different weights (sizes, or unmasked elements): "
+            "equal micro-batches (batch sizes that divide the data, no masks varying "
+            "between micro-batches) make it exact")
     return (
         "A window of this float8 model " + "; or ".join(causes) + ". Each "
         "micro-batch's loss was divided by the window's weight as expected when it "

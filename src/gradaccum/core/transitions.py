@@ -266,21 +266,50 @@ def loss_unit(policy: Policy, record, weight, replicas: int = 1, length=None, fi
     Args:
         weight: the micro-batch's `w_i`.
         replicas: the replicas whose micro-batches make the window together.
-        length: the window's length in micro-batches of this one's size where the
-            caller knows it (split mode: the batch's samples over the micro-batch's).
+        length: the window's length in micro-batches where the caller knows it
+            (split mode: the batch's samples over the split's micro-batch size,
+            fractional where the last micro-batch is smaller: that one then expects
+            only its own weight still to come).
         fit: the fit record, whose epoch length (where known) shortens the
             expected length of the window the data ends in under `partial="flush"`.
     """
     if not any(record.overwrites) or not policy.mean:
         return None
-    rule = policy.rule
     weight = ops.cast(weight, "float32")
-    if rule.weight_per_update is not None and length is None:
-        return ops.cast(rule.weight_per_update, "float32") * ops.ones_like(weight)
+    if policy.rule.weight_per_update is not None and length is None:
+        return ops.cast(policy.rule.weight_per_update, "float32") * ops.ones_like(weight)
     # The weight the window holds already, and this micro-batch's for each one
     # still to come (exact for the window's last micro-batch; for all of them
     # where the micro-batches weigh alike).
     held = ops.cast(record.get("total_weight"), "float32")
+    to_come = _to_come(policy, record, length, fit)
+    return (held + weight * ops.maximum(to_come, 1.0)) * float(replicas)
+
+
+def unequal(policy: Policy, record, weight, length=None, fit=None):
+    """Whether this micro-batch weighs otherwise than its window's micro-batches so
+    far expected each one still to come to weigh (their mean), where the window
+    updates float8 layers through `loss_unit`: float8 then quantized theirs at
+    another size than the large batch's. A boolean tensor, or None where nothing is
+    expected (no float8 layers, a weight budget). The step passes it to
+    `micro_batch`; `length`, `fit`: `loss_unit`'s."""
+    if not any(record.measured) or not policy.mean or (
+            policy.rule.weight_per_update is not None and length is None):
+        return None
+    held = ops.cast(record.get("total_weight"), "float32")
+    count = ops.cast(record.get("micro_step"), "float32")
+    to_come = _to_come(policy, record, length, fit)
+    assumed = held / ops.maximum(count, 1.0) * to_come
+    expected = ops.cast(weight, "float32") * ops.maximum(to_come, 1.0)
+    return (count > 0) & (ops.abs(assumed - expected) > 1e-6 * (held + expected))
+
+
+def _to_come(policy: Policy, record, length, fit):
+    """The micro-batches the open window expects from this one on, this one
+    included (fractional in split mode where the last is smaller): its length (the
+    caller's, the rule's, the epoch's rest where the data ends in it under
+    `partial="flush"` and its length is known), less those it holds."""
+    rule = policy.rule
     before = ops.cast(window_length(record), "float32")
     if length is not None:
         length = ops.cast(length, "float32")
@@ -297,21 +326,31 @@ def loss_unit(policy: Policy, record, weight, replicas: int = 1, length=None, fi
             length = ops.where(epoch_length > 0, ops.minimum(length, before + left), length)
     else:
         length = 1.0
-    expected = held + weight * ops.maximum(length - before, 1.0)
-    return expected * float(replicas)
+    return length - before
 
 
 def loss_factor(policy: Policy, record, weight, *, weighted: bool, direct: bool = False,
                 **unit_options):
     """`(factor, unit)`: what a step multiplies the micro-batch's loss by before it
-    differentiates it (None: nothing), and the `loss_unit` it divided by (None where
-    it did not: `micro_batch`'s `unit`). With `overwrite_with_gradient` variables
+    differentiates it (None: nothing), and the `loss_unit` it divided by, a `Unit`
+    (None where it did not: `micro_batch`'s `unit`). With `overwrite_with_gradient` variables
     `w_i / E`; else `w_i` where the step weighs its loss (`weighted`). A window of one
     micro-batch (`direct`) takes its loss as it is. `unit_options`: `loss_unit`'s."""
     unit = None if direct else loss_unit(policy, record, weight, **unit_options)
     if unit is not None:
-        return ops.cast(weight, "float32") / unit, unit
+        options = {k: v for k, v in unit_options.items() if k in ("length", "fit")}
+        return ops.cast(weight, "float32") / unit, Unit(
+            unit, unequal(policy, record, weight, **options))
     return (weight if weighted else None), None
+
+
+class Unit(NamedTuple):
+    """What a step divided a micro-batch's weighted loss by (`loss_unit`), with
+    whether the micro-batch weighs otherwise than its window expected (`unequal`,
+    or None), as `loss_factor` hands them to `micro_batch`."""
+
+    value: object
+    unequal: object
 
 
 def weigh(policy: Policy, x, y, sample_weight, normalizers, record, *, warn=True):
@@ -571,8 +610,8 @@ def close(policy: Policy, record, apply, close, gradients=None, fit=None):
         recorded(record, applied, window_length(record), record.get("total_weight"), fit)
         emptied(record)
 
-    if gradients is None and fit is not None and fit.has("unequal") and any(
-            record.overwrites) and policy.mean:
+    if (gradients is None and fit is not None and fit.has("unequal")
+            and any(record.measured) and policy.mean):
         # The window's float8 micro-batches were differentiated over a weight it did
         # not end with: flagged as unequal weights are (`micro_batch`).
         unequal = apply & record.holds() & _unexpected_weight(policy, record, fit)
@@ -581,26 +620,29 @@ def close(policy: Policy, record, apply, close, gradients=None, fit=None):
 
 
 def _unexpected_weight(policy: Policy, record, fit):
-    """Whether a window closing now holds another weight than its micro-batches'
-    `loss_unit` expected: a weight budget's window above or below the budget; a
-    window shorter than its length where the epoch's length was unknown (a partial
-    window flushed at the end of data that `fit` could not count); a skipped
-    micro-batch, whose weight the ones before it expected. (A window the known end
-    of an epoch shortens was expected so.)"""
+    """Whether a float8 window closing now holds another weight than its
+    micro-batches' `loss_unit` expected: a weight budget's window above or below
+    the budget; a window shorter than its length where the data ended before the
+    epoch's known end or at an end `fit` could not know (a partial window flushed
+    at the end of a generator). (A window the known end of an epoch shortens was
+    expected so; a skip is `micro_batch`'s to flag.)"""
     rule = policy.rule
-    skipped = record.get("window_skipped") > 0
     if rule.weight_per_update is not None:
         weight = ops.cast(record.window_weight(), "float32")
         budget = float(rule.weight_per_update)
-        return skipped | (ops.abs(weight - budget) > 1e-6 * budget)
+        return ops.abs(weight - budget) > 1e-6 * budget
     if rule.constant is not None:
         length = rule.constant
     elif rule.scheduled:
         length = record.get("window_steps")
     else:
-        return skipped
-    unknown = ~(fit.get("epoch_length") > 0) if fit.has("epoch_length") else True
-    return skipped | ((window_length(record) < length) & unknown)
+        return ops.convert_to_tensor(False)
+    if fit.has("epoch_length"):
+        epoch_length = fit.get("epoch_length")
+        early = (epoch_length <= 0) | (fit.get("epoch_step") < epoch_length)
+    else:
+        early = ops.convert_to_tensor(True)
+    return (window_length(record) < length) & early
 
 
 def recorded(record, apply, micro_batches, weight, fit=None) -> None:
@@ -660,8 +702,13 @@ def micro_batch(policy: Policy, record, gradients, weight, *, weighted=False,
         direct: a window of one micro-batch: applied from `gradients` as they are.
         closes: whether this call may close the window (False: `accumulate` only).
         unit: where the step differentiated `w_i * L_i / unit` (`loss_unit`): the
-            gradients are taken times `unit` (and unscaled, under loss scaling).
+            gradients are taken times `unit` (and unscaled, under loss scaling). A
+            `Unit` (`loss_factor`'s) also says whether the micro-batch weighs
+            otherwise than its window expected: flagged in the fit record.
     """
+    unequal = None
+    if isinstance(unit, Unit):
+        unit, unequal = unit
     open_window(policy, record)
     accept = screen(policy, record, gradients, loss_scaled=loss_scale is not None)
     factor = None
@@ -683,13 +730,14 @@ def micro_batch(policy: Policy, record, gradients, weight, *, weighted=False,
     # What the step divided the summed loss by: the unit, 1 for a weighted loss,
     # else the micro-batch's weight (the loss its own mean).
     divisor = unit if unit is not None else 1.0 if weighted else weight
-    if unit is not None and fit is not None and fit.has("unequal"):
-        # A micro-batch that weighs otherwise than those before it in its window:
-        # the window's first ones differentiated another loss than its own.
-        count = ops.cast(record.get("micro_step"), "float32")
-        total = ops.cast(record.get("total_weight"), "float32")
-        other = ops.abs(ops.cast(weight, "float32") * count - total) > 1e-6 * total
-        fit.set("unequal", fit.get("unequal") | (accept & (count > 0) & other))
+    if unequal is not None and fit is not None and fit.has("unequal"):
+        # float8 quantized the window's first micro-batches at another size than the
+        # large batch's: this one weighs otherwise, or (skipped after an accepted
+        # one) they were divided by a weight that counted it.
+        flagged = accept & unequal
+        if policy.rule.weight_per_update is None:
+            flagged = flagged | (~accept & (record.get("micro_step") > 0))
+        fit.set("unequal", fit.get("unequal") | flagged)
     admit(policy, record, gradients, weight, accept, factor, direct=direct,
           divisor=divisor)
     if not closes:

@@ -58,7 +58,7 @@ def split_batch(step, carry: Carry, data, size):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(micro)
         loss, y_pred, weight, gradients, normalizers, weighted_gradients, unit = (
             step.gradients(inner, record, x, y, sample_weight,
-                           length=batch / batch_size(micro))
+                           length=batch / size)
         )
         tr.track_terms(FitRecord(inner), record, normalizers)
         inner.non_trainable = list(step.forward_state)

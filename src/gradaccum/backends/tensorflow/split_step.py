@@ -26,7 +26,7 @@ def split_step(accumulation, data):
         batch = _split.batch_size(data)
 
         def micro_batch(micro, weighted, weights):
-            return _exact_micro_batch(accumulation, micro, weighted, weights, batch)
+            return _exact_micro_batch(accumulation, micro, weighted, weights, batch, size)
 
         if accumulation.micro_batch_jit:
             # XLA compiles each micro-batch; the loop around it stays outside, so a
@@ -65,11 +65,14 @@ def split_step(accumulation, data):
     return logs
 
 
-def _exact_micro_batch(accumulation, micro, weighted, weights, batch):
-    """One micro-batch of a split batch (of `batch` samples); adds its weighted
-    loss and weight to the batch's."""
+def _exact_micro_batch(accumulation, micro, weighted, weights, batch, size):
+    """One micro-batch of a split batch (of `batch` samples cut into micro-batches of
+    `size`, the last one maybe smaller); adds its weighted loss and weight to the
+    batch's."""
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(micro)
-    length = tf.cast(batch, tf.float32) / tr.samples(x)
+    # The batch's length in micro-batches of the split's size: the window's last
+    # micro-batch, however small, then expects only its own weight still to come.
+    length = tf.cast(batch, tf.float32) / tf.cast(size, tf.float32)
     y_pred, loss, weight, accepted = exact_step.micro_batch(
         accumulation, x, y, sample_weight, closes=False, length=length
     )

@@ -359,8 +359,7 @@ class TrainStep:
             entry_state = self.forward_state.take() if tracks else None
             moving = self.moving_start()
             loss, y_pred, weight, gradients, normalizers, weighted, unit = self.gradients(
-                record, x, y, sample_weight, length=batch / len(next(
-                    t for t in keras.tree.flatten(x) if t is not None)))
+                record, x, y, sample_weight, length=batch / size)
             track_terms(fit, record, normalizers)
             with torch.no_grad():
                 accepted = truth(micro_batch_transitions(
