@@ -1,8 +1,10 @@
 """What carrying accumulate's state through Keras's JAX `fit` costs, apart from its
 step's work: plain fit; plain fit `carrying` as many more arrays through its compiled
 step and as many more log entries as `accumulate` has (the arrays of the sums' shapes,
-each changed by one elementwise op, the logs copies of the loss), and the same with
-the sums' shapes as one flat array (`carrying flat`); Keras's built-in
+each changed by one elementwise op, the logs copies of the loss); the arrays alone,
+the logs alone, the logs as one entry (an array: `logs packed`), the arrays as one
+flat array of the sums' total size (`arrays flat`: one flat buffer of sums per
+dtype); Keras's built-in
 `gradient_accumulation_steps`; and `accumulate`. One micro-batch per call
 (`steps_per_execution=1`), where Keras's loop pays per array and per log each call.
 
@@ -39,11 +41,14 @@ def carried(model) -> int:
     return len(jax.tree_util.tree_leaves(state))
 
 
-def carrying(workload: str, arrays: int, logs: int, flat: bool = False):
+def carrying(workload: str, arrays: int, logs: int, flat: bool = False,
+             packed: bool = False):
     """Plain fit's model of `workload` carrying `arrays` more arrays (the trainable
     variables' shapes first, then scalars) and `logs` more log entries. `flat`: the
     trainable variables' shapes as one flat array of their total size (what one flat
-    buffer of sums per dtype would carry)."""
+    buffer of sums per dtype would carry). `packed`: the `logs` values as one log
+    entry, an array of them."""
+    import jax.numpy as jnp
     import keras
     import workloads
 
@@ -54,7 +59,11 @@ def carrying(workload: str, arrays: int, logs: int, flat: bool = False):
             extra = set(self.extra_slots)
             non_trainable = [v + 1 if i in extra else v for i, v in enumerate(non_trainable)]
             loss = logs_["loss"]
-            logs_ = dict(logs_, **{f"carried_{i}": loss + i for i in range(logs)})
+            values = [loss + i for i in range(logs)]
+            if packed and values:
+                logs_ = dict(logs_, carried=jnp.stack(values))
+            else:
+                logs_ = dict(logs_, **{f"carried_{i}": v for i, v in enumerate(values)})
             return logs_, (trainable, non_trainable, optimizer, metrics)
 
     base = workloads.build(workload)
@@ -93,12 +102,17 @@ def main(argv=None):
     logs = {name: model.fit(x, y, **fit).history for name, model in models.items()}
     arrays = carried(models["accumulate"]) - carried(models["plain"])
     extra_logs = len(set(logs["accumulate"]) - set(logs["plain"]))
-    models = {"plain": models["plain"],
-              "carrying": carrying(args.workload, arrays, extra_logs),
-              "carrying flat": carrying(args.workload, arrays, extra_logs, flat=True),
+    carriers = {
+        "carrying": carrying(args.workload, arrays, extra_logs),
+        "arrays only": carrying(args.workload, arrays, 0),
+        "logs only": carrying(args.workload, 0, extra_logs),
+        "logs packed": carrying(args.workload, 0, extra_logs, packed=True),
+        "arrays flat": carrying(args.workload, arrays, 0, flat=True),
+    }
+    for model in carriers.values():
+        model.fit(x, y, **fit)
+    models = {"plain": models["plain"], **carriers,
               "builtin": models["builtin"], "accumulate": models["accumulate"]}
-    models["carrying"].fit(x, y, **fit)
-    models["carrying flat"].fit(x, y, **fit)
     names = list(models)
     per_batch = len(x) // args.b
     times = {name: [] for name in names}
