@@ -612,7 +612,7 @@ class Accumulation(abc.ABC):
         options = self.options
         if (not self.float8_divided or self.state is None or options.partial != "flush"
                 or options.split or options.window.weight_per_update is not None
-                or not self.open_micro_batches()):
+                or not max(self.window_values("micro_step"), default=0)):
             return
         length = int(self.fit_field("epoch_length").numpy())
         if length <= 0 or int(self.fit_field("epoch_step").numpy()) < length:
@@ -626,8 +626,8 @@ class Accumulation(abc.ABC):
         budget = options.window.weight_per_update is not None and not options.split
         return overwrite.unequal_message(
             short_end=self.short_end, budget=budget,
+            weights=options.weighting != "uniform" and not budget,
             skips=self.skipped() > self.skipped_at_start,
-            weights=options.weighting != "uniform",
         )
 
     def size_chosen(self) -> None:

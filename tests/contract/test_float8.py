@@ -195,6 +195,7 @@ def test_a_weight_budget_passed_is_warned():
     model.compile(keras.optimizers.Adam(1e-2), SCE)
     found = fit_warned(model, x, y, batch_size=8)
     assert len(found) == 1 and "`weight_per_update`" in found[0], found
+    assert "different weights" not in found[0]  # a budget divides each by itself
 
 
 def test_a_weight_budget_met_exactly_is_exact_and_not_warned():
@@ -590,3 +591,27 @@ def test_the_audit_of_a_float8_block_is_exact_and_names_the_rule():
     assert "Rules:\n- float8 layer 'q'" in str(report)
     measured = [row for row in report.rows if row[0] == "q/outputs_grad_amax_history"]
     assert measured and measured[0][2] > 0  # measured, and equal both ways
+
+
+@pytest.mark.parametrize("nonfinite", ["skip", "raise"])
+def test_a_window_opened_by_a_micro_batch_that_weighs_nothing_is_exact(nonfinite):
+    # The masked token model; micro-batch 3 (of 4 rows) is all padding: it opens
+    # window 2 with weight 0. At 079feab its loss was divided by 0 (nan): skipped
+    # and warned as not finite, or raised under "raise", on valid data.
+    rng = np.random.default_rng(0)
+    x = rng.integers(1, 20, size=(16, 6)).astype("int32")
+    x[8:12] = 0
+    y = rng.integers(0, 3, size=(16, 6)).astype("int32")
+    model = gradaccum.accumulate(tokens(), steps=2, nonfinite=nonfinite)
+    model.compile(keras.optimizers.SGD(0.1), SCE)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    messages = [str(w.message) for w in caught]
+    assert not [m for m in messages if "not finite" in m or "this float8 model" in m], messages
+    reference = tokens()
+    reference.compile(keras.optimizers.SGD(0.1), SCE)
+    for start in range(0, 16, 8):
+        reference.train_on_batch(x[start:start + 8], y[start:start + 8])
+    gap = gaps(model, reference)
+    assert max(gap.values()) < 1e-5, {p: g for p, g in gap.items() if g >= 1e-5}

@@ -193,13 +193,14 @@ def unknown_rule_message(unknown) -> str:
 
 
 def unequal_message(*, short_end: bool = False, budget: bool = False,
-                    skips: bool = False, weights: bool = True) -> str:
+                    weights: bool = True, skips: bool = False) -> str:
     """Warned once at `fit` where a window of a float8 model was differentiated over
     another weight than it ended with (`transitions.micro_batch` and `close` flag
-    it), naming the causes, those the fit saw first: a partial window flushed where
-    the data ended before the step knew it would (`short_end`); a weight `budget`
-    not met exactly; a skipped micro-batch (`skips`); then what the settings allow,
-    micro-batches of different `weights`."""
+    it), naming the causes, the one the fit saw first: a partial window flushed
+    where the data ended before the step knew it would (`short_end`); a weight
+    `budget` not met exactly; then those the settings allow: micro-batches of
+    different `weights`, a micro-batch skipped after an accepted one (`skips`: the
+    fit skipped one)."""
     causes = []
     if short_end:
         causes.append(
@@ -214,15 +215,15 @@ def unequal_message(*, short_end: bool = False, budget: bool = False,
             "did not weigh exactly `weight_per_update` (a budget passed by the "
             "micro-batch that reached it, or a last window short of it): micro-batch "
             "weights that divide the budget make it exact")
-    if skips:
-        causes.append(
-            "skipped a micro-batch (not finite) after accepting one, whose loss was "
-            "divided by a weight that counted the skipped one")
-    if weights or not causes:
+    if weights or not (causes or skips):
         causes.append(
             "held micro-batches of different weights (sizes, or unmasked elements): "
             "equal micro-batches (batch sizes that divide the data, no masks varying "
             "between micro-batches) make it exact")
+    if skips:
+        causes.append(
+            "skipped a micro-batch (not finite) after accepting one, whose loss was "
+            "divided by a weight that counted the skipped one")
     return (
         "A window of this float8 model " + "; or ".join(causes) + ". Each "
         "micro-batch's loss was divided by the window's weight as expected when it "

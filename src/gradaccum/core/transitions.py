@@ -283,7 +283,10 @@ def loss_unit(policy: Policy, record, weight, replicas: int = 1, length=None, fi
     # where the micro-batches weigh alike).
     held = ops.cast(record.get("total_weight"), "float32")
     to_come = _to_come(policy, record, length, fit)
-    return (held + weight * ops.maximum(to_come, 1.0)) * float(replicas)
+    expected = held + weight * ops.maximum(to_come, 1.0)
+    # A window that weighs nothing so far (a micro-batch whose every element is
+    # masked opens it) divides by 1: its loss is 0 whatever it is divided by.
+    return ops.where(expected > 0, expected, 1.0) * float(replicas)
 
 
 def unequal(policy: Policy, record, weight, length=None, fit=None):
@@ -301,7 +304,8 @@ def unequal(policy: Policy, record, weight, length=None, fit=None):
     to_come = _to_come(policy, record, length, fit)
     assumed = held / ops.maximum(count, 1.0) * to_come
     expected = ops.cast(weight, "float32") * ops.maximum(to_come, 1.0)
-    return (count > 0) & (ops.abs(assumed - expected) > 1e-6 * (held + expected))
+    # (Micro-batches that weighed nothing differentiated nothing float8 could round.)
+    return (held > 0) & (ops.abs(assumed - expected) > 1e-6 * (held + expected))
 
 
 def _to_come(policy: Policy, record, length, fit):
