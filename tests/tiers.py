@@ -625,6 +625,24 @@ SLOW = [
     "contract/test_float8.py::test_a_custom_loop_keeps_the_maximum_as_keras_does[values2]",
     "contract/test_float8.py::test_a_custom_loop_keeps_negative_values_as_they_are",
     "contract/test_float8.py::test_the_audit_of_a_float8_block_is_exact_and_names_the_rule",
+    # A float8 window's weight against the one its micro-batches were divided by: the
+    # flush at an unknown end stands for these in the fast tier.
+    "contract/test_float8.py::test_an_unknown_end_that_flushes_nothing_is_not_warned",
+    "contract/test_float8.py::test_a_generator_of_whole_windows_is_exact_and_not_warned",
+    "contract/test_float8.py::test_a_scheduled_window_flushed_at_a_known_end_is_exact",
+    "contract/test_float8.py::test_a_weight_budget_passed_is_warned",
+    "contract/test_float8.py::test_a_weight_budget_met_exactly_is_exact_and_not_warned",
+    "contract/test_float8.py::test_a_skipped_micro_batch_in_a_float8_window_is_warned",
+    "contract/test_float8.py::"
+    "test_a_micro_batch_skipped_first_in_its_window_is_exact_and_not_warned",
+    "contract/test_float8.py::test_data_that_ends_before_steps_per_epoch_is_warned",
+    "contract/test_float8.py::"
+    "test_split_mode_with_a_smaller_last_micro_batch_is_exact_and_not_warned",
+    "contract/test_float8.py::"
+    "test_a_later_fit_of_whole_windows_is_not_warned_for_an_earlier_one",
+    "contract/test_float8.py::test_what_is_not_float8_or_not_divided_is_not_warned_as_float8",
+    "contract/test_float8.py::"
+    "test_a_window_opened_by_a_micro_batch_that_weighs_nothing_is_exact",
     "test_replicas.py::test_float8_on_two_replicas_equals_one_device",
     "contract/test_nothing_lost.py::test_a_loaded_open_window_fit_without_accumulate_is_warned",
     # Issue 56: the built package (a build, a fresh environment: about a minute) and the
