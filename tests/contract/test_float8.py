@@ -56,6 +56,12 @@ def gaps(model, reference) -> dict:
             for path, value in theirs.items()}
 
 
+def assert_exact(model, reference) -> None:
+    """Every variable within 1e-5 of the reference's largest value (`gaps`)."""
+    gap = gaps(model, reference)
+    assert max(gap.values()) < 1e-5, {p: g for p, g in gap.items() if g >= 1e-5}
+
+
 def float8_paths(model) -> list:
     return [v.path for v in model.trainable_variables if v.overwrite_with_gradient]
 
@@ -84,8 +90,7 @@ def test_a_float8_block_trains_as_the_large_batch(mode):
     model.compile(keras.optimizers.Adam(1e-2), SCE)
     assert not fit_warned(model, x, y, batch_size=batch_size, epochs=2)
     reference = plain_fit(16)
-    gap = gaps(model, reference)
-    assert max(gap.values()) < 1e-5, {p: g for p, g in gap.items() if g >= 1e-5}
+    assert_exact(model, reference)
     histories = values(model)
     for path in float8_paths(model):
         if path.endswith("amax_history"):
@@ -106,8 +111,7 @@ def test_a_flushed_partial_window_measures_its_own_gradient():
     for _ in range(2):
         for start, end in ((0, 16), (16, 32), (32, 40)):
             reference.train_on_batch(x[start:end], y[start:end])
-    gap = gaps(model, reference)
-    assert max(gap.values()) < 1e-5, {p: g for p, g in gap.items() if g >= 1e-5}
+    assert_exact(model, reference)
     assert int(model.optimizer.iterations) == 6
 
 
@@ -165,8 +169,7 @@ def test_a_generator_of_whole_windows_is_exact_and_not_warned():
     model = gradaccum.accumulate(block(), steps=2, partial="flush")
     model.compile(keras.optimizers.Adam(1e-2), SCE)
     assert not fit_warned(model, batches(x, y, 8))
-    gap = gaps(model, plain_fit(16, epochs=1, n=32))
-    assert max(gap.values()) < 1e-5, {p: g for p, g in gap.items() if g >= 1e-5}
+    assert_exact(model, plain_fit(16, epochs=1, n=32))
 
 
 def test_a_scheduled_window_flushed_at_a_known_end_is_exact():
@@ -182,8 +185,7 @@ def test_a_scheduled_window_flushed_at_a_known_end_is_exact():
     reference.compile(keras.optimizers.Adam(1e-2), SCE)
     for start, end in ((0, 16), (16, 40), (0, 24), (24, 40)):
         reference.train_on_batch(x[start:end], y[start:end])
-    gap = gaps(model, reference)
-    assert max(gap.values()) < 1e-5, {p: g for p, g in gap.items() if g >= 1e-5}
+    assert_exact(model, reference)
     assert int(model.optimizer.iterations) == 4
 
 
@@ -203,8 +205,7 @@ def test_a_weight_budget_met_exactly_is_exact_and_not_warned():
     model = gradaccum.accumulate(block(), weight_per_update=24)
     model.compile(keras.optimizers.Adam(1e-2), SCE)
     assert not fit_warned(model, x, y, batch_size=8)
-    gap = gaps(model, plain_fit(24, epochs=1, n=48))
-    assert max(gap.values()) < 1e-5, {p: g for p, g in gap.items() if g >= 1e-5}
+    assert_exact(model, plain_fit(24, epochs=1, n=48))
 
 
 def test_a_skipped_micro_batch_in_a_float8_window_is_warned():
@@ -231,8 +232,7 @@ def test_a_micro_batch_skipped_first_in_its_window_is_exact_and_not_warned():
     reference.compile(keras.optimizers.SGD(0.1), SCE)
     reference.train_on_batch(x[:24], y[:24])
     reference.train_on_batch(x[32:], y[32:])
-    gap = gaps(model, reference)
-    assert max(gap.values()) < 1e-5, {p: g for p, g in gap.items() if g >= 1e-5}
+    assert_exact(model, reference)
 
 
 def test_data_that_ends_before_steps_per_epoch_is_warned():
@@ -253,8 +253,7 @@ def test_split_mode_with_a_smaller_last_micro_batch_is_exact_and_not_warned():
     model = gradaccum.accumulate(block(), micro_batch_size=5)
     model.compile(keras.optimizers.Adam(1e-2), SCE)
     assert not fit_warned(model, x, y, batch_size=16)
-    gap = gaps(model, plain_fit(16, epochs=1, n=48))
-    assert max(gap.values()) < 1e-5, {p: g for p, g in gap.items() if g >= 1e-5}
+    assert_exact(model, plain_fit(16, epochs=1, n=48))
 
 
 def test_a_later_fit_of_whole_windows_is_not_warned_for_an_earlier_one():
@@ -320,8 +319,7 @@ def test_micro_batches_of_other_weights_measure_the_windows_gradient_and_warn():
     reference = tokens()
     reference.compile(keras.optimizers.SGD(0.1), SCE)
     reference.fit(x, y, batch_size=16, shuffle=False, verbose=0)
-    gap = gaps(model, reference)
-    assert max(gap.values()) < 1e-5, {p: g for p, g in gap.items() if g >= 1e-5}
+    assert_exact(model, reference)
     assert np.max(values(model)["head/outputs_grad_amax_history"]) > 0
 
 
@@ -613,5 +611,4 @@ def test_a_window_opened_by_a_micro_batch_that_weighs_nothing_is_exact(nonfinite
     reference.compile(keras.optimizers.SGD(0.1), SCE)
     for start in range(0, 16, 8):
         reference.train_on_batch(x[start:start + 8], y[start:start + 8])
-    gap = gaps(model, reference)
-    assert max(gap.values()) < 1e-5, {p: g for p, g in gap.items() if g >= 1e-5}
+    assert_exact(model, reference)
