@@ -61,6 +61,15 @@ def fit(trainer_, data=None, loss=SCE, optimizer="sgd"):
     return trainer_.fit(data, verbose=0)
 
 
+def fit_after_setting_accumulation_steps():
+    """`gradient_accumulation_steps` set on the optimizer after `compile`."""
+    model = gradaccum.accumulate(make_mlp(), steps=2)
+    model.compile(optimizer="sgd", loss=SCE)
+    model.optimizer.gradient_accumulation_steps = 2
+    x, y = make_data(8)
+    return model.fit(x, y, batch_size=4, verbose=0)
+
+
 def predict_steps(steps):
     wrapped = trainer()
     wrapped.compile(optimizer="sgd", loss=SCE)
@@ -421,6 +430,7 @@ CASES = {
     "compile-optimizer-accumulates": lambda: trainer().compile(
         optimizer=keras.optimizers.SGD(gradient_accumulation_steps=2), loss=SCE
     ),
+    "fit-optimizer-accumulates": fit_after_setting_accumulation_steps,
     "predict-steps-not-a-multiple": lambda: predict_steps(3),
     "fit-empty-data": lambda: fit(trainer(), data=empty_data()),
     "fit-unbuilt-empty-data": lambda: fit(

@@ -188,6 +188,23 @@ FEATURES = {
 }
 
 SLOW = [
+    # A model built by its first batch, and train_on_batch's windows: the fast tier
+    # keeps arrays at the chosen steps_per_execution, the refusals, the next fit's
+    # flush and end_of_data.
+    "contract/test_fit_starts.py::test_a_sequential_built_by_its_first_batch_trains_exactly[arrays-1]",
+    "contract/test_fit_starts.py::test_a_sequential_built_by_its_first_batch_trains_exactly[repeat-None]",
+    "contract/test_fit_starts.py::test_a_sequential_built_by_its_first_batch_trains_exactly[repeat-1]",
+    "contract/test_fit_starts.py::test_a_sequential_built_by_its_first_batch_trains_exactly[tf.data-None]",
+    "contract/test_fit_starts.py::test_a_sequential_built_by_its_first_batch_trains_exactly[tf.data-1]",
+    "contract/test_fit_starts.py::test_a_sequential_built_by_its_first_batch_trains_exactly[train_on_batch-None]",
+    "contract/test_fit_starts.py::test_a_sequential_built_by_its_first_batch_trains_exactly[train_on_batch-1]",
+    "contract/test_fit_starts.py::test_wrap_of_a_sequential_built_by_its_first_batch_trains_exactly",
+    "contract/test_fit_starts.py::test_a_sequential_built_by_its_first_batch_in_split_mode",
+    "contract/test_train_on_batch.py::test_each_call_is_a_micro_batch_and_a_window_applies_after_steps_calls",
+    "contract/test_train_on_batch.py::test_the_next_fit_closes_the_window_the_calls_left_open[carry-windows1-3]",
+    "contract/test_train_on_batch.py::test_drop_discards_the_window_the_calls_left_open",
+    "contract/test_train_on_batch.py::test_after_end_of_data_the_next_fit_has_nothing_to_close",
+    "contract/test_train_on_batch.py::test_a_fit_then_calls_then_a_fit",
     # Issue 53's fast-tier budget: the longest tests behind no FEATURES row (measured in
     # the whole suite at 3774c61), each still in the whole suite.
     "contract/test_host_reads.py::test_batch_ends_are_dispatched_as_plain_fits_are[options0]",

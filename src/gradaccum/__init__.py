@@ -31,6 +31,7 @@ _EXPORTS: dict[str, str | dict[str, str]] = {
     "wrap": "gradaccum.keras_model",
     "accumulate": "gradaccum.attach",
     "disable": "gradaccum.attach",
+    "end_of_data": "gradaccum.attach",
     "audit": "gradaccum.auditing",
     "AuditReport": "gradaccum.auditing",
     "Privacy": "gradaccum.core.privacy",
@@ -50,13 +51,14 @@ __all__ = [
     "audit",
     "convert_batch_normalization",
     "disable",
+    "end_of_data",
     "load_model",
     "privacy_spent",
     "wrap",
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from gradaccum.attach import accumulate, disable
+    from gradaccum.attach import accumulate, disable, end_of_data
     from gradaccum.auditing import AuditReport, audit
     from gradaccum.backends.tensorflow.accumulator import GradientAccumulator
     from gradaccum.backends.tensorflow.batch_norm import (

@@ -16,11 +16,13 @@ new backend writes.
 from __future__ import annotations
 
 import abc
+import contextlib
 import warnings
 from typing import ClassVar, NamedTuple
 
 from gradaccum import _keras_common as kc
 from gradaccum import added_losses, epochs, saving
+from gradaccum._validation import check_optimizer
 from gradaccum.core import moving_statistics, overwrite
 from gradaccum.core import transitions as tr
 from gradaccum.core.auto_size import AutoSize
@@ -141,6 +143,8 @@ class Accumulation(abc.ABC):
         self.short_end = False
         self._pending = {}
         self._warned = set()
+        # Whether `train_on_batch` ran since the last fit (its window may be open).
+        self.opened_outside_fit = False
         # Within a save that writes the window itself (gradaccum.model_file).
         self.saving_window = False
         # Keras's BatchNormalization layers followed through the window
@@ -222,6 +226,32 @@ class Accumulation(abc.ABC):
                 "compile with `steps_per_execution=1`."
             )
 
+    def building(self):
+        """The context a `fit` or `train_on_batch` runs in for Keras's trainer to
+        build an unbuilt model from its first batch before the train function is
+        made (the state needs the variables then): what the JAX and PyTorch trainers
+        always do; TensorFlow's defers the build into its traced step."""
+        return contextlib.nullcontext()
+
+    def check_optimizers(self) -> None:
+        """As a `fit` or `train_on_batch` starts: no optimizer of the host
+        accumulates gradients itself (`gradient_accumulation_steps` can be set on
+        an optimizer after `compile`, which checked it)."""
+        for _, optimizer in kc.named_optimizers(self.host):
+            check_optimizer(optimizer)
+
+    def train_on_batch(self, train_on_batch, args, kwargs):
+        """Runs Keras's `train_on_batch` (the host's own): the batch is one
+        micro-batch, and a window applies when its rule closes it (`steps` calls,
+        a schedule, a weight budget). No call is the end of the data: the window
+        left open is closed as `partial` says when the next `fit` starts, or by
+        `gradaccum.end_of_data` (or `disable`)."""
+        self.check_optimizers()
+        with self.building():
+            logs = train_on_batch(*args, **kwargs)
+        self.opened_outside_fit = self.state is not None
+        return self.after_train_on_batch(logs)
+
     def after_train_on_batch(self, logs):
         """`train_on_batch`'s logs, after the step's errors are raised."""
         return logs
@@ -231,6 +261,12 @@ class Accumulation(abc.ABC):
     def fit(self, fit, x, y, batch_size, epochs_, verbose, callbacks, kwargs):
         """Runs `fit` (the host's own) with gradaccum's hook first among callbacks."""
         check_private_fit(self.options, x, batch_size)
+        self.check_optimizers()
+        if self.opened_outside_fit:
+            # The micro-batches `train_on_batch` gave before this fit are data that
+            # ended: their window is closed as `partial` says (kept with "carry").
+            self.end_of_data()
+            self.opened_outside_fit = False
         x = self.warn_added_losses(x)
         self.warn_uniform(x, batch_size, kwargs)
         self.verbose = verbose
@@ -515,6 +551,8 @@ class Accumulation(abc.ABC):
         """Restores what `save_to` wrote; values the state has no place for yet
         wait until it has."""
         self._pending = saving.loaded(store)
+        # A window restored is the file's, not one `train_on_batch` left open.
+        self.opened_outside_fit = False
         if self._pending and getattr(self.host, "optimizer", None) is not None:
             self.ensure_state()
             self.restore_pending()

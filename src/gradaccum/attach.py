@@ -184,15 +184,7 @@ def disable(model: keras.Model) -> keras.Model:
     """
     accumulation = accumulation_of(model) if isinstance(model, keras.Model) else None
     if accumulation is None:
-        received = (
-            f"model={model.name!r} of type {type(model).__name__}"
-            if isinstance(model, keras.Model)
-            else f"model={model!r} of type {type(model).__name__}"
-        )
-        raise ValueError(
-            "`model` must be a model that gradaccum accumulates for (returned by "
-            f"`gradaccum.accumulate`). Received: {received}"
-        )
+        raise ValueError(_not_accumulating(model))
     state = accumulation.state
     if state is not None:
         if accumulation.options.partial == "carry":
@@ -215,6 +207,64 @@ def disable(model: keras.Model) -> keras.Model:
         kc.set_compile_config(model, user_config)
     model.train_function = None
     return model
+
+
+def end_of_data(model: keras.Model) -> int:
+    """Tells `model` its data ended: the open window is closed as `partial` says,
+    as `fit` closes it at the end of each epoch.
+
+    `fit` knows where its data ends; a loop of `train_on_batch` calls does not
+    (each call is one micro-batch, and a window applies when `steps` calls are
+    in). Call this where such a loop's epoch ends: with `partial="flush"` the
+    micro-batches of an unfinished window make one update, normalized by their
+    own weights, as a smaller last batch would; `"drop"` discards them;
+    `"carry"` keeps them for the next window. The next `fit` does the same to a
+    window `train_on_batch` left open, before its first batch.
+
+    Args:
+        model: a model returned by `gradaccum.accumulate` or `gradaccum.wrap`.
+
+    Returns:
+        The micro-batches the open window held (0 if none was open).
+
+    Raises:
+        ValueError: if gradaccum does not accumulate for `model`.
+
+    Examples:
+
+        >>> import keras, numpy as np, gradaccum
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        >>> model = gradaccum.accumulate(model, steps=4)
+        >>> model.compile(optimizer="sgd", loss="mse")
+        >>> x, y = np.ones((8, 4)), np.zeros((8, 1))
+        >>> for _ in range(6):  # 6 micro-batches: a window of 4, and 2 open
+        ...     logs = model.train_on_batch(x, y)
+        >>> int(model.optimizer.iterations)
+        1
+        >>> gradaccum.end_of_data(model)  # the 2 make the epoch's last update
+        2
+        >>> int(model.optimizer.iterations)
+        2
+    """
+    accumulation = accumulation_of(model) if isinstance(model, keras.Model) else None
+    if accumulation is None:
+        raise ValueError(_not_accumulating(model))
+    held = accumulation.open_micro_batches()
+    accumulation.end_of_data()
+    accumulation.opened_outside_fit = False
+    return held
+
+
+def _not_accumulating(model: Any) -> str:
+    received = (
+        f"model={model.name!r} of type {type(model).__name__}"
+        if isinstance(model, keras.Model)
+        else f"model={model!r} of type {type(model).__name__}"
+    )
+    return (
+        "`model` must be a model that gradaccum accumulates for (returned by "
+        f"`gradaccum.accumulate`). Received: {received}"
+    )
 
 
 def _install(model: keras.Model, accumulation: Accumulation) -> None:
@@ -248,7 +298,10 @@ def _install(model: keras.Model, accumulation: Accumulation) -> None:
         return accumulation.train_step(*args)
 
     def train_on_batch(*args: Any, **kwargs: Any) -> Any:
-        return accumulation.after_train_on_batch(cls.train_on_batch(model, *args, **kwargs))
+        def own_train_on_batch(*a: Any, **kw: Any) -> Any:
+            return cls.train_on_batch(model, *a, **kw)
+
+        return accumulation.train_on_batch(own_train_on_batch, args, kwargs)
 
     def make_train_function(force: bool = False) -> Any:
         return accumulation.make_train_function(

@@ -209,7 +209,7 @@ class AccumulatingModel(keras.Model):
         return super().predict(*args, **kwargs)
 
     def train_on_batch(self, *args: Any, **kwargs: Any) -> Any:
-        return self._accumulation.after_train_on_batch(super().train_on_batch(*args, **kwargs))
+        return self._accumulation.train_on_batch(super().train_on_batch, args, kwargs)
 
     def train_step(self, *args: Any) -> Any:
         # (data) on TensorFlow, (state, data) on JAX.

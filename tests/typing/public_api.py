@@ -34,6 +34,9 @@ def accumulate_in_fit() -> float:
     model: keras.Model = gradaccum.accumulate(make_model(), steps=4)
     model.compile(optimizer="adam", loss="mse")
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    model.train_on_batch(x[:8], y[:8])
+    held: int = gradaccum.end_of_data(model)
+    assert held == 1
     model = gradaccum.disable(model)
     model = gradaccum.accumulate(model, micro_batch_size="auto", max_micro_batch_size=16)
     model = gradaccum.disable(model)

@@ -20,6 +20,7 @@ and the log entries packed in the step (`logs.py`).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -125,10 +126,19 @@ class Accumulation(adapter.Accumulation):
 
     # fit -----------------------------------------------------------------------
 
+    def building(self):
+        """An unbuilt model that trains with Keras's default step is built from its
+        first batch before the function is made (`kc.built_before_tracing`); a
+        model's own step is left to build what it builds in its first run."""
+        if self.own_train_step is not None:
+            return contextlib.nullcontext()
+        return kc.built_before_tracing(self.host)
+
     def fitting(self, hook):
         """`fit` runs across workers (Keras 3.15's multi-worker fit), telling the
         hook the epoch's length as Keras's epoch iterator counts it."""
         stack = contextlib.ExitStack()
+        stack.enter_context(self.building())
         stack.enter_context(kc.across_workers(self.host))
         stack.enter_context(super().fitting(hook))
         return stack
@@ -235,8 +245,13 @@ class Accumulation(adapter.Accumulation):
             # Without AutoGraph, as Keras traces its train step (`do_not_convert`):
             # the close is the step's own code, written with TensorFlow's ops; the
             # conversion cost a process's first fit about 2 s, each later one 0.1 s.
-            self._end_of_data_function = (close if host.run_eagerly
-                                          else tf.function(close, autograph=False))
+            # Traced once per state. TensorFlow counts traces by the Python
+            # function's code, which every model's `close` shares: given as a
+            # partial (a key of its own), a process that trains many models is not
+            # warned of retracing.
+            self._end_of_data_function = (
+                close if host.run_eagerly
+                else tf.function(functools.partial(close), autograph=False))
         with host.distribute_strategy.scope():
             self._end_of_data_function()
 

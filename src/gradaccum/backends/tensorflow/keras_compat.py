@@ -200,6 +200,41 @@ def multi_worker(strategy) -> bool:
     ) and strategy.extended._in_multi_worker_mode()
 
 
+@contextlib.contextmanager
+def built_before_tracing(model):
+    """Within the block (a `fit`, a `train_on_batch`), Keras's TensorFlow trainer
+    builds a model that is not built yet from its first batch before it makes the
+    train function, as it does under a tf.distribute strategy and as the JAX and
+    PyTorch trainers always do.
+
+    Without a strategy Keras defers the build into the first trace of its step
+    (`_maybe_symbolic_build`), so a `Sequential` with no `keras.Input` has no
+    variables when the function is made; gradaccum's accumulators need them then.
+    The build reads shapes and dtypes only: Keras's `fit` rewinds its epoch
+    iterator after it. Data with no batch leaves the model unbuilt.
+    """
+    keras_build = model._maybe_symbolic_build
+
+    def symbolic_build(iterator=None, data_batch=None):
+        if model._distribute_strategy is not None or all(
+                layer.built for layer in model._flatten_layers()):
+            return keras_build(iterator=iterator, data_batch=data_batch)
+        if iterator is not None:
+            for _, _, batches in iterator:
+                try:
+                    data_batch = next(batches)
+                except (StopIteration, tf.errors.OutOfRangeError):
+                    return None
+                break
+        if data_batch is None:
+            return None
+        model._symbolic_build(data_batch=data_batch)
+        return None
+
+    with overriding(model, _maybe_symbolic_build=symbolic_build):
+        yield
+
+
 # The key under which a step's scalar logs travel packed under several workers.
 PACKED_LOGS = "gradaccum_packed_logs"
 
