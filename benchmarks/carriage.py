@@ -82,7 +82,7 @@ def carrying(workload: str, arrays: int, logs: int, flat: bool = False,
 
 
 def main(argv=None):
-    import equal
+    import cells
     import keras
     import workloads
 
@@ -97,7 +97,7 @@ def main(argv=None):
         raise SystemExit("benchmarks/carriage.py measures Keras's JAX fit: KERAS_BACKEND=jax")
     x, y = workloads.data(args.workload, args.samples)
     fit = {"batch_size": args.b, "epochs": 1, "shuffle": False, "verbose": 0}
-    models = {name: equal.compiled(name, args.workload, args.k, spe=1)
+    models = {name: cells.compiled(name, args.workload, args.k, spe=1)
               for name in ("plain", "builtin", "accumulate")}
     logs = {name: model.fit(x, y, **fit).history for name, model in models.items()}
     arrays = carried(models["accumulate"]) - carried(models["plain"])

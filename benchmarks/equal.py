@@ -59,6 +59,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
+from cells import count, make  # noqa: E402
+
 # What an epoch (a repeat) trains: samples, or for the KerasHub tasks micro-batches
 # at any b (32: 2 windows of k = 16; a micro-batch of 8 takes 0.1-0.4 s on 2 cores).
 SAMPLES = {"mlp": 8192, "cnn": 2048, "transformer": 2048}
@@ -67,43 +69,6 @@ GRIDS = {"tiny": (("mlp", "cnn", "transformer"), (8, 32, 128), (1, 4, 16)),
          "realistic": (("gpt2_lora", "gpt2_full", "bert"), (4, 8), (4, 16))}
 MEMORY_GRID = (GRIDS["realistic"][0], GRIDS["realistic"][1], (16,))  # --memory
 CONTENDERS = ("plain", "builtin", "accumulate", "unscreened")
-
-
-def compiled(name: str, workload: str, k: int, spe: int):
-    """A model of `workload` compiled as contender `name` (Adam 1e-3, the workload's
-    loss; a KerasHub task adds its own default metrics, the same for every contender)."""
-    import keras
-    import workloads
-
-    model = workloads.build(workload)
-    if name == "builtin":
-        optimizer = keras.optimizers.Adam(1e-3, gradient_accumulation_steps=k)
-    else:
-        optimizer = keras.optimizers.Adam(1e-3)
-    if name in ("accumulate", "unscreened", "unfollowed"):
-        import gradaccum
-
-        # unscreened: no non-finite screen; unfollowed: Keras's BatchNormalization
-        # layers move per micro-batch (not followed through the window).
-        nonfinite = "apply" if name == "unscreened" else "skip"
-        moving = "micro_batch" if name == "unfollowed" else "window"
-        model = gradaccum.accumulate(model, steps=k, nonfinite=nonfinite,
-                                     moving_statistics=moving)
-    elif name not in ("plain", "builtin"):
-        raise ValueError(f"unknown contender {name!r}")
-    model.compile(optimizer, workloads.loss(), steps_per_execution=spe)
-    return model
-
-
-def make(name: str, workload: str, b: int, k: int, spe: int):
-    """A function `train(arrays)` that trains one epoch of `arrays` (`fit`'s `x`, `y`
-    and `sample_weight`, as `workloads.fit_data` gives them) in micro-batches of b."""
-    model = compiled(name, workload, k, spe)
-
-    def train(arrays):
-        model.fit(**arrays, batch_size=b, epochs=1, shuffle=False, verbose=0)
-
-    return train
 
 
 def contenders_for(k: int) -> list[str]:
@@ -219,13 +184,6 @@ def table(rows: list[dict]) -> str:
             + (f" {_show(ratio(row['cpu_rates'], 'accumulate', 'builtin'))} |"
                f" {_show(ratio(row['cpu_rates'], 'accumulate', 'plain'))} |" if cpu else ""))
     return "\n".join(out)
-
-
-def count(values, goal: float, at_least: bool = True) -> str:
-    met = sum(v >= goal if at_least else v <= goal for v in values)
-    return (f"median {statistics.median(values):.2f}, range {min(values):.2f}-"
-            f"{max(values):.2f}; {'>=' if at_least else '<='} {goal} in {met} of "
-            f"{len(values)} cells.")
 
 
 def summary(rows: list[dict], backend: str, realistic: bool = False) -> str:

@@ -27,7 +27,7 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-import equal  # noqa: E402
+import cells  # noqa: E402
 
 
 def peak(workload: str, b: int, k: int, name: str) -> dict:
@@ -40,7 +40,7 @@ def peak(workload: str, b: int, k: int, name: str) -> dict:
     from memory import PeakSampler, rss_mib
 
     arrays = workloads.fit_data(workload, k * b)
-    train = equal.make(name, workload, b, k, 1)
+    train = cells.make(name, workload, b, k, 1)
     train(arrays)
     # What tracing and compiling freed goes back to the system, so that the window
     # measured next sees what training holds and takes.
@@ -154,7 +154,7 @@ def summary(rows: list[dict]) -> str:
         values = [_peak_of(r["peaks"][name]) / _peak_of(r["peaks"]["plain"]) for r in rows
                   if r["peaks"][name] and r["peaks"]["plain"]]
         if values:
-            goal = (f"{equal.count(values, 1.05, at_least=False)}" if name == "accumulate"
+            goal = (f"{cells.count(values, 1.05, at_least=False)}" if name == "accumulate"
                     else f"median {statistics.median(values):.3f}.")
             lines.append(f"- Peak memory, {label} / plain fit (k = "
                          f"{', '.join(str(k) for k in sorted({r['k'] for r in rows}))}): "

@@ -41,9 +41,9 @@ sys.path.insert(0, str(HERE))
 def trained(name: str, workload: str, b: int, k: int, x, y):
     """A model of `workload` compiled as contender `name` (as `equal.py` compiles
     it, one micro-batch per call) and fit on two batches."""
-    import equal
+    import cells
 
-    model = equal.compiled(name, workload, k, spe=1)
+    model = cells.compiled(name, workload, k, spe=1)
     model.fit(x[: 2 * b], y[: 2 * b], batch_size=b, epochs=1, shuffle=False, verbose=0)
     return model
 

@@ -308,37 +308,3 @@ def overriding(obj, **methods):
                 delattr(obj, name)
             else:
                 setattr(obj, name, value)
-
-
-@contextlib.contextmanager
-def observing_epochs(model, hook=None):
-    """Within the block (a `fit` or an `evaluate`), every epoch iterator the model's
-    trainer builds yields exactly the batches its length asks for
-    (`gradaccum.exact_epochs`), and `hook.epoch_length` is set to the number of
-    batches per epoch of the first (the training data's; None if unknown).
-
-    Keras gives that count to callbacks as `params["steps"]` only when it builds the
-    CallbackList itself; its `fit` and `evaluate` hand the epoch iterator to their
-    symbolic build in every case, before the first callback event
-    (`_maybe_symbolic_build` on TensorFlow, `_symbolic_build` elsewhere).
-    """
-    from gradaccum import exact_epochs
-
-    observed = {}
-    seen = []
-    for name in ("_maybe_symbolic_build", "_symbolic_build"):
-        build = getattr(model, name, None)
-        if build is None:
-            continue
-
-        def observe(*args, iterator=None, _build=build, **kwargs):
-            if iterator is not None:
-                exact_epochs.make_exact(iterator)
-                if hook is not None and not seen:
-                    seen.append(iterator)
-                    hook.epoch_length = iterator.num_batches
-            return _build(*args, iterator=iterator, **kwargs)
-
-        observed[name] = observe
-    with overriding(model, **observed):
-        yield

@@ -22,7 +22,6 @@ from typing import ClassVar, NamedTuple
 
 from gradaccum import _keras_common as kc
 from gradaccum import added_losses, epochs, saving
-from gradaccum._validation import check_optimizer
 from gradaccum.core import moving_statistics, overwrite
 from gradaccum.core import transitions as tr
 from gradaccum.core.auto_size import AutoSize
@@ -32,6 +31,8 @@ from gradaccum.core.privacy import check_fit as check_private_fit
 from gradaccum.core.privacy import check_layers as check_private_layers
 from gradaccum.core.privacy import spent
 from gradaccum.core.screening import warn_skipped
+from gradaccum.core.validation import check_optimizer
+from gradaccum.exact_epochs import observing_epochs
 from gradaccum.weighting import NormalizerLog, micro_batch_sizes, uniform_message
 
 # The instance attribute that holds a model's accumulation (both doors).
@@ -110,6 +111,8 @@ class Accumulation(abc.ABC):
 
     #: The backend's `Options` (a subclass of `gradaccum.core.options.Options`).
     Options: ClassVar[type[CoreOptions] | None] = None
+    #: How messages name the backend ("TensorFlow", "JAX", "PyTorch").
+    backend_name: ClassVar[str] = ""
 
     def __init__(self, options, layers):
         self.options = options
@@ -167,12 +170,8 @@ class Accumulation(abc.ABC):
         """Attaches to `host`; `own_step` is the host's own `train_step` (bound), or
         None for Keras's default step."""
         if own_step is not None and self.options.split and not self.splits_own_step:
-            import keras
-
-            from gradaccum._backend import NAMES
-
             raise ValueError(
-                f"On Keras's {NAMES[keras.backend.backend()]} backend a model's own "
+                f"On Keras's {self.backend_name} backend a model's own "
                 "`train_step` accumulates with `steps` (each batch is a micro-batch); "
                 "split mode runs Keras's default step. Received: "
                 f"micro_batch_size={self.options.micro_batch_size!r} for model "
@@ -201,7 +200,7 @@ class Accumulation(abc.ABC):
     def evaluating(self):
         """The context `evaluate` runs in: its `steps` (`validation_steps` in `fit`)
         count batches as at one batch per call, whatever `steps_per_execution`."""
-        return kc.observing_epochs(self.host)
+        return observing_epochs(self.host)
 
     def before_evaluate(self, kwargs) -> None:
         if kwargs.get("_use_cached_eval_dataset"):
@@ -323,7 +322,7 @@ class Accumulation(abc.ABC):
         """The context `fit` runs in: the hook told the epoch's length as Keras's
         epoch iterator counts it, whatever callbacks `fit` was given (a caller's
         `CallbackList` gets no `params["steps"]`); a backend adds its own (workers)."""
-        return kc.observing_epochs(self.host, hook)
+        return observing_epochs(self.host, hook)
 
     def epoch_length(self, hook) -> int | None:
         """Batches per epoch of the running fit (None: unknown)."""
@@ -388,10 +387,12 @@ class Accumulation(abc.ABC):
             # found when a later state is made, the model built).
             unbuilt = follows and not self.layers.built
             if unbuilt and not self._follower_unbuilt:
-                moving_statistics.warn_unbuilt(self.layers)
+                moving_statistics.warn_unbuilt(self.layers,
+                                                kc.flatten_layers(self.layers))
             followed: list = []
             if follows and not unbuilt:
-                followed, refused = moving_statistics.find(self.layers)
+                followed, refused = moving_statistics.find(self.layers,
+                                                           kc.flatten_layers(self.layers))
                 if followed and self.replicas() > 1:
                     # Each replica moves its layers from its own share: the global
                     # window's statistics need gradaccum.BatchNormalization there.
@@ -428,7 +429,7 @@ class Accumulation(abc.ABC):
             )
         self.check_overwrites()
         if self.options.privacy is not None:
-            check_private_layers(layers)
+            check_private_layers(layers, kc.flatten_layers(layers))
             if kc.is_loss_scale_optimizer(host.optimizer):
                 raise ValueError(
                     "`privacy` needs an optimizer without loss scaling: each example's "
@@ -605,7 +606,7 @@ class Accumulation(abc.ABC):
             logs["micro_batch_size"] = float(search.chosen)
         privacy = self.options.privacy
         if privacy is not None and privacy.logs_epsilon:
-            logs["epsilon"] = spent(self)
+            logs["epsilon"] = spent(self.options.privacy, self.privacy_record())
 
     def repeat_warning(self) -> str | None:
         """What fit warns about once per fit when the model's step applies an

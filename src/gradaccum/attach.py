@@ -19,12 +19,12 @@ import keras
 
 from gradaccum import _backend, model_file, state_file
 from gradaccum import _keras_common as kc
-from gradaccum._validation import check_optimizer
 from gradaccum.adapter import ATTRIBUTE, Accumulation, accumulation_of
 from gradaccum.core.hints import DType, Integer, Nonfinite, Real, Steps, Weighting
 from gradaccum.core.options import documented, given
 from gradaccum.core.privacy import Privacy
 from gradaccum.core.privacy import check_model as check_private_model
+from gradaccum.core.validation import check_optimizer
 from gradaccum.weighting import record_normalizers
 
 # The instance attributes gradaccum sets on an accumulating model.
@@ -144,7 +144,8 @@ def accumulate(
     adapter = _backend.adapter()
     options = adapter.Options(**given(locals()))
     if options.privacy is not None:
-        check_private_model(model, not kc.uses_default_train_step(model))
+        check_private_model(model, not kc.uses_default_train_step(model),
+                            kc.flatten_layers(model))
     if model.built:
         adapter.check_model(model)
     accumulation = adapter(options, layers=model)

@@ -22,13 +22,13 @@ import numpy as np
 
 from gradaccum import _keras_common as kc
 from gradaccum import added_losses
-from gradaccum._validation import check_choice, check_steps
 from gradaccum.adapter import Findings, accumulation_of
 from gradaccum.core import overwrite
 from gradaccum.core import transitions as tr
 from gradaccum.core.hints import Integer, Weighting
 from gradaccum.core.moving_statistics import unfollowable_reason, window_aware
 from gradaccum.core.screening import skipped_message
+from gradaccum.core.validation import check_choice, check_steps
 from gradaccum.weighting import uniform_message
 
 # Relative differences up to this are float32 noise (sums in another order); a

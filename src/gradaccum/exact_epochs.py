@@ -22,9 +22,10 @@ read the spent iterator).
 
 from __future__ import annotations
 
+import contextlib
 import types
 
-from gradaccum._keras_common import EpochIterator
+from gradaccum._keras_common import EpochIterator, overriding
 
 # The attribute that marks an epoch iterator made exact (it may be seen twice).
 MARK = "_gradaccum_exact"
@@ -136,3 +137,34 @@ class _Rest:
 
 _NONE = object()
 
+
+@contextlib.contextmanager
+def observing_epochs(model, hook=None):
+    """Within the block (a `fit` or an `evaluate`), every epoch iterator the model's
+    trainer builds yields exactly the batches its length asks for
+    (`make_exact`), and `hook.epoch_length` is set to the number of
+    batches per epoch of the first (the training data's; None if unknown).
+
+    Keras gives that count to callbacks as `params["steps"]` only when it builds the
+    CallbackList itself; its `fit` and `evaluate` hand the epoch iterator to their
+    symbolic build in every case, before the first callback event
+    (`_maybe_symbolic_build` on TensorFlow, `_symbolic_build` elsewhere).
+    """
+    observed = {}
+    seen = []
+    for name in ("_maybe_symbolic_build", "_symbolic_build"):
+        build = getattr(model, name, None)
+        if build is None:
+            continue
+
+        def observe(*args, iterator=None, _build=build, **kwargs):
+            if iterator is not None:
+                make_exact(iterator)
+                if hook is not None and not seen:
+                    seen.append(iterator)
+                    hook.epoch_length = iterator.num_batches
+            return _build(*args, iterator=iterator, **kwargs)
+
+        observed[name] = observe
+    with overriding(model, **observed):
+        yield

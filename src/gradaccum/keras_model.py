@@ -17,12 +17,13 @@ from typing import Any
 import keras
 
 from gradaccum import _backend, state_file
-from gradaccum._validation import check_optimizer
+from gradaccum import _keras_common as kc
 from gradaccum.adapter import ATTRIBUTE, Accumulation
 from gradaccum.core.hints import DType, Integer, Nonfinite, Real, Steps, Weighting
 from gradaccum.core.options import NAMES, Options, documented, given
 from gradaccum.core.privacy import Privacy
 from gradaccum.core.privacy import check_model as check_private_model
+from gradaccum.core.validation import check_optimizer
 from gradaccum.core.window import PARTIALS  # noqa: F401 (re-exported)
 from gradaccum.weighting import record_normalizers
 
@@ -102,7 +103,8 @@ class AccumulatingModel(keras.Model):
         options = adapter.Options(**given(locals()))
         if options.privacy is not None:
             # The wrapper's own step and compiled loss train `model`.
-            check_private_model(model, own_train_step=False)
+            check_private_model(model, own_train_step=False,
+                                layers=kc.flatten_layers(model))
         _warn_if_own_training(model)
         kwargs.setdefault("name", f"gradaccum_{model.name}")
         super().__init__(**kwargs)

@@ -48,4 +48,5 @@ def privacy_spent(model: keras.Model, dataset_size: Integer | None = None,
             f"steps, privacy=...)`). Received: model={getattr(model, 'name', model)!r}"
         )
     assert accumulation is not None  # it holds `privacy`
-    return spent(accumulation, dataset_size, delta)
+    return spent(accumulation.options.privacy, accumulation.privacy_record(), dataset_size,
+                 delta)

@@ -19,7 +19,7 @@ import warnings
 import keras
 
 from gradaccum import _keras_common as kc
-from gradaccum._validation import (  # noqa: F401 (re-exported)
+from gradaccum.core.validation import (  # noqa: F401 (re-exported)
     WEIGHTINGS,
     check_callable_result,
     check_weighting,
@@ -245,20 +245,3 @@ def micro_batch_sizes(x, batch_size, validation_split=None, micro_batch_size=Non
                    for part in ({min(micro_batch_size, b)}
                                 | ({b % micro_batch_size} if b % micro_batch_size else set()))}
     return sorted(batches, reverse=True)
-
-
-def callable_weight(fn, x, y, sample_weight):
-    """Calls a user weighting function and checks that it gives a scalar number
-    (float32); the backend's step checks at run time that it is >= 0."""
-    weight = check_callable_result(
-        fn(x, y, sample_weight),
-        "weighting",
-        kind="a number",
-        scalar="a scalar weight",
-        accepts=is_number_dtype,
-    )
-    return keras.ops.cast(weight, "float32")
-
-
-# The message of a negative weight from a `weighting` callable.
-NEGATIVE_WEIGHT = "The `weighting` callable must return a weight >= 0"

@@ -16,7 +16,7 @@ import torch
 from largebatch import SCE, assert_optimizer_close, assert_weights_close, data, mlp
 
 import gradaccum
-from gradaccum._validation import variable_name
+from gradaccum.core.validation import variable_name
 
 OPTIMIZERS = {
     "sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),

@@ -48,8 +48,6 @@ from typing import NamedTuple
 
 import keras
 
-from gradaccum import _keras_common as kc
-
 ops = keras.ops
 
 #: The values of the `moving_statistics` option.
@@ -100,12 +98,13 @@ def window_aware(layer) -> bool:
     return getattr(type(layer), "_gradaccum_window_aware", False)
 
 
-def find(model) -> tuple[list, list]:
+def find(model, layers) -> tuple[list, list]:
     """The batch normalization layers of `model` that can be followed, and
-    `(layer, why)` for those with moving statistics that cannot."""
+    `(layer, why)` for those with moving statistics that cannot. `layers`: the
+    model's, nested ones included."""
     followed, refused = [], []
     seen = set()
-    for layer in kc.flatten_layers(model):
+    for layer in layers:
         if layer is model or id(layer) in seen or window_aware(layer):
             continue
         seen.add(id(layer))
@@ -138,11 +137,11 @@ def warn_unfollowed(refused) -> None:
         )
 
 
-def warn_unbuilt(model) -> None:
+def warn_unbuilt(model, layers) -> None:
     """A model not built when its state is made (a subclassed model with its own
     `train_step`, built by its first step): a warning names its batch normalization
-    layers, which move per micro-batch in this fit."""
-    names = [layer.name for layer in kc.flatten_layers(model)
+    layers (of `layers`, the model's), which move per micro-batch in this fit."""
+    names = [layer.name for layer in layers
              if isinstance(layer, keras.layers.BatchNormalization)
              and not window_aware(layer)]
     if not names:

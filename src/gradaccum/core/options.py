@@ -16,18 +16,18 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import keras
 
-from gradaccum._validation import (
+from gradaccum.core.combine import REDUCTIONS
+from gradaccum.core.hints import DType, Nonfinite, Steps, Weighting
+from gradaccum.core.moving_statistics import MODES as MOVING_MODES
+from gradaccum.core.privacy import PRIVACY_FIELDS, Privacy, check_privacy
+from gradaccum.core.privacy import check_options as check_private_options
+from gradaccum.core.validation import (
     accumulator_dtype_name,
     check_choice,
     check_nonfinite,
     check_weighting,
     check_window_options,
 )
-from gradaccum.core.combine import REDUCTIONS
-from gradaccum.core.hints import DType, Nonfinite, Steps, Weighting
-from gradaccum.core.moving_statistics import MODES as MOVING_MODES
-from gradaccum.core.privacy import PRIVACY_FIELDS, Privacy, check_privacy
-from gradaccum.core.privacy import check_options as check_private_options
 from gradaccum.core.window import PARTIALS, WindowSpec
 
 if TYPE_CHECKING:  # pragma: no cover

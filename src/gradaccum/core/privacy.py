@@ -20,16 +20,11 @@ from __future__ import annotations
 import math
 import numbers
 import secrets
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import keras
 
-from gradaccum import _keras_common as kc
 from gradaccum.core.hints import Integer, Real
-
-if TYPE_CHECKING:  # pragma: no cover
-    from gradaccum.adapter import Accumulation
-    from gradaccum.core.options import Options
 
 ACCOUNTANTS = ("rdp", "pld")
 # Privacy's arguments, as a saved AccumulatingModel's config holds them.
@@ -186,9 +181,10 @@ def check_privacy(privacy: Any) -> Privacy | None:
     return privacy
 
 
-def check_options(options: Options) -> None:
-    """The accumulation options private training works with: each example weighs one
-    (`weighting="exact"`, which privacy turns into a count of examples), a mean."""
+def check_options(options: Any) -> None:
+    """The accumulation options (`core.options.Options`, which calls this) private
+    training works with: each example weighs one (`weighting="exact"`, which privacy
+    turns into a count of examples), a mean."""
     if options.weighting != "exact" or options.reduction != "mean":
         raise ValueError(
             '`weighting` must be "exact" and `reduction` "mean" with `privacy`: each '
@@ -198,12 +194,12 @@ def check_options(options: Options) -> None:
         )
 
 
-def check_model(model: keras.Model, own_train_step: bool) -> None:
+def check_model(model: keras.Model, own_train_step: bool, layers: list) -> None:
     """Refuses a model whose examples' gradients cannot be told apart: its own
     `train_step` (gradaccum cannot see its examples), its own `compute_loss` (a loss
     that may mix examples), or a layer that mixes examples (batch normalization) or
     adds a loss from its inputs (an activity regularizer or `add_loss`, computed over
-    the micro-batch)."""
+    the micro-batch). `layers`: the model's layers, nested ones included."""
     name = model.name
     if own_train_step:
         raise ValueError(
@@ -219,12 +215,13 @@ def check_model(model: keras.Model, own_train_step: bool) -> None:
             "does)."
         )
     if model.built:
-        check_layers(model)
+        check_layers(model, layers)
 
 
-def check_layers(model: keras.Model) -> None:
-    """The layer checks of `check_model` (on a built model)."""
-    for layer in kc.flatten_layers(model):
+def check_layers(model: keras.Model, layers: list) -> None:
+    """The layer checks of `check_model` (on a built model), over `layers` (the
+    model's, nested ones included)."""
+    for layer in layers:
         if isinstance(layer, keras.layers.BatchNormalization):
             raise ValueError(
                 "`privacy` needs layers that compute each example on its own: batch "
@@ -241,12 +238,11 @@ def check_layers(model: keras.Model) -> None:
             )
 
 
-def per_example_inputs(model: keras.Model, x: Any, y: Any,
+def per_example_inputs(model: keras.Model, compile_loss: Any, x: Any, y: Any,
                        sample_weight: Any) -> tuple[Any, dict[str, Any]]:
-    """What both backends' per-example pass maps over: the model's compiled loss
-    (refused without one) and the micro-batch's parts as one dict (`x`, and `y` and
-    `sample_weight` when given)."""
-    compile_loss = kc.compiled_loss(model)
+    """What every backend's per-example pass maps over: the model's compiled loss
+    (`compile_loss`, refused when None) and the micro-batch's parts as one dict (`x`,
+    and `y` and `sample_weight` when given)."""
     if compile_loss is None:
         raise ValueError(
             "`privacy` needs the model's compiled loss: each example's gradient is that "
@@ -298,7 +294,7 @@ def sampling_rate(window: float, dataset_size: int) -> float:
     return window / dataset_size
 
 
-def check_fit(options: Options, x: Any, batch_size: int | None) -> None:
+def check_fit(options: Any, x: Any, batch_size: int | None) -> None:
     """As `fit` starts with arrays: a `Privacy.dataset_size` smaller than the window
     the options make of them is refused before training (a window larger than the
     dataset is not a sample of it)."""
@@ -345,16 +341,16 @@ def epsilon(noise_multiplier: float, sampling_rate: float, updates: int, delta: 
     return float(ledger.get_epsilon(delta))
 
 
-def spent(accumulation: Accumulation, dataset_size: Integer | None = None,
+def spent(privacy: Privacy, record: tuple[int, float], dataset_size: Integer | None = None,
           delta: Real | None = None) -> float:
-    """`privacy_spent` of the accumulation a model trains with."""
-    privacy = accumulation.options.privacy
+    """`privacy_spent`: the epsilon of the updates made, from `record` (the updates
+    and the most examples a window held) and `privacy`'s settings."""
     dataset_size = check_dataset_size(
         privacy.dataset_size if dataset_size is None else dataset_size, required=True
     )
     delta = check_delta(privacy.delta if delta is None else delta, required=True)
     assert dataset_size is not None and delta is not None  # required=True: checked
-    updates, window = accumulation.privacy_record()
+    updates, window = record
     if updates == 0:
         return 0.0
     rate = sampling_rate(window, dataset_size)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import warnings
 
-from gradaccum._validation import check_callable_result
+from gradaccum.core.validation import check_callable_result
 
 # The error of nonfinite="raise": its words around the micro-batch's number and its
 # place in the window.

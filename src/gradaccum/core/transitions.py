@@ -41,8 +41,8 @@ import numpy as np
 from gradaccum.core import overwrite, screening
 from gradaccum.core.combine import combine
 from gradaccum.core.state import ERRORS, RESET
+from gradaccum.core.validation import NEGATIVE_WEIGHT, callable_weight
 from gradaccum.core.window import SCHEDULE_RULE
-from gradaccum.weighting import NEGATIVE_WEIGHT, callable_weight
 
 ops = keras.ops
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import keras
 
-from gradaccum._validation import check_callable_result, check_window_rule, is_integer_dtype
+from gradaccum.core.validation import check_callable_result, check_window_rule, is_integer_dtype
 
 PARTIALS = ("flush", "carry", "drop")
 

@@ -18,13 +18,6 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 
-from gradaccum._validation import (
-    check_choice,
-    check_nonfinite,
-    check_optimizer,
-    check_variables,
-    check_weight_value,
-)
 from gradaccum.backends.jax.own_step import Applier
 from gradaccum.backends.jax.record import Carry, LossScaling, WindowRecord
 from gradaccum.backends.jax.state import Packed
@@ -33,6 +26,13 @@ from gradaccum.core import transitions as tr
 from gradaccum.core.combine import REDUCTIONS
 from gradaccum.core.hints import DType, Nonfinite, Real, Steps
 from gradaccum.core.state import ERROR_FIELDS, FIT, WINDOW, accumulator_name
+from gradaccum.core.validation import (
+    check_choice,
+    check_nonfinite,
+    check_optimizer,
+    check_variables,
+    check_weight_value,
+)
 
 __all__ = ["GradientAccumulator"]
 

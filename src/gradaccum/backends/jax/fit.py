@@ -19,7 +19,6 @@ import jax.numpy as jnp
 
 from gradaccum import _keras_common as kc
 from gradaccum import adapter
-from gradaccum._validation import accumulator_dtype_name
 from gradaccum.adapter import Findings
 from gradaccum.backends.jax import phases, retry
 from gradaccum.backends.jax.own_step import Applier
@@ -30,6 +29,7 @@ from gradaccum.backends.jax.step import ERROR_KEY, TrainStep
 from gradaccum.core import transitions as tr
 from gradaccum.core.host_window import HostWindow
 from gradaccum.core.options import Options as CoreOptions
+from gradaccum.core.validation import accumulator_dtype_name
 from gradaccum.core.window import WindowSpec
 
 
@@ -91,6 +91,7 @@ class Accumulation(adapter.Accumulation):
     """
 
     Options = Options
+    backend_name = "JAX"
     splits_own_step = False
 
     def __init__(self, options: CoreOptions, layers):

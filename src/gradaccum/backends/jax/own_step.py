@@ -30,10 +30,10 @@ import jax.numpy as jnp
 import keras
 
 from gradaccum import _keras_common as kc
-from gradaccum._validation import check_optimizer
 from gradaccum.backends.jax.record import FitRecord, WindowRecord, kept_unless
 from gradaccum.backends.jax.state import window_prefix
 from gradaccum.core import transitions as tr
+from gradaccum.core.validation import check_optimizer
 
 
 class Applier(NamedTuple):

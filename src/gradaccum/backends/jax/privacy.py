@@ -33,7 +33,8 @@ def clipped_micro_batch(model, privacy, trainable, non_trainable, x, y, sample_w
         the micro-batch's predictions and the non-trainable variables after its
         forward pass.
     """
-    compile_loss, elements = per_example_inputs(model, x, y, sample_weight)
+    compile_loss, elements = per_example_inputs(model, kc.compiled_loss(model), x, y,
+                                                 sample_weight)
     kwargs = {"training": True} if kc.call_has_training_arg(model) else {}
     regularized = regularized_variables(model)
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import jax
 import keras
 
-from gradaccum._validation import split_batch_size as batch_size
 from gradaccum.backends.jax.split_step import Shards
+from gradaccum.core.validation import split_batch_size as batch_size
 
 # What XLA's out-of-memory errors say (compiled: RESOURCE_EXHAUSTED; dispatched
 # without jit on CPU: INTERNAL ... Out of memory).

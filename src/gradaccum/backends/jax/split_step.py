@@ -10,10 +10,10 @@ import jax
 import jax.numpy as jnp
 import keras
 
-from gradaccum._validation import split_batch_size as batch_size
 from gradaccum.backends.jax.record import Carry, FitRecord, kept_unless
 from gradaccum.core import transitions as tr
 from gradaccum.core.state import ERROR_FIELDS, accumulator_name
+from gradaccum.core.validation import split_batch_size as batch_size
 
 
 def split_batch(step, carry: Carry, data, size):

@@ -21,12 +21,6 @@ require_tensorflow()
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from gradaccum._validation import (  # noqa: E402
-    check_choice,
-    check_loss_scale_optimizer,
-    check_optimizer,
-    check_variables,
-)
 from gradaccum.backends.tensorflow import distributed as dist  # noqa: E402
 from gradaccum.backends.tensorflow import keras_compat as kc  # noqa: E402
 from gradaccum.backends.tensorflow.batch_norm import batch_normalization_layers  # noqa: E402
@@ -44,6 +38,12 @@ from gradaccum.core import transitions as tr  # noqa: E402
 from gradaccum.core.combine import REDUCTIONS, combine  # noqa: E402
 from gradaccum.core.hints import DType, Nonfinite, Real, Steps  # noqa: E402
 from gradaccum.core.screening import warn_skipped  # noqa: E402
+from gradaccum.core.validation import (  # noqa: E402
+    check_choice,
+    check_loss_scale_optimizer,
+    check_optimizer,
+    check_variables,
+)
 
 __all__ = ["GradientAccumulator", "NONFINITE", "REDUCTIONS"]
 

@@ -1,11 +1,11 @@
 """Argument checks of `GradientAccumulator` on TensorFlow (the fixed error form of
-`gradaccum._validation`, for TensorFlow's dtypes and tensors)."""
+`gradaccum.core.validation`, for TensorFlow's dtypes and tensors)."""
 
 from __future__ import annotations
 
 import tensorflow as tf
 
-from gradaccum._validation import (
+from gradaccum.core.validation import (
     accumulator_dtype_name,
     check_weight_value,
     variable_name,

@@ -93,6 +93,7 @@ class Accumulation(adapter.Accumulation):
     """
 
     Options = Options
+    backend_name = "TensorFlow"
 
     def __init__(self, options: CoreOptions, layers):
         super().__init__(options, layers)

@@ -33,7 +33,8 @@ def clipped_micro_batch(accumulation, x, y, sample_weight):
     host = accumulation.host
     privacy = accumulation.options.privacy
     variables = list(accumulation.state.accumulator.target_variables)
-    compile_loss, elements = per_example_inputs(host, x, y, sample_weight)
+    compile_loss, elements = per_example_inputs(host, kc.compiled_loss(host), x, y,
+                                                 sample_weight)
     # Known when the function is traced: which variables get a gradient, and which
     # gradients are sparse.
     kinds = []

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from gradaccum._validation import NONFINITE, check_nonfinite  # noqa: F401 (re-exported)
 from gradaccum.core.screening import RAISE_WORDS  # noqa: F401 (re-exported)
+from gradaccum.core.validation import NONFINITE, check_nonfinite  # noqa: F401 (re-exported)
 
 
 def _values(gradient):

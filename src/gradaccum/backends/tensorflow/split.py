@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from gradaccum._validation import check_batch_dimensions
+from gradaccum.core.validation import check_batch_dimensions
 
 
 def _first_dimension(tensor):

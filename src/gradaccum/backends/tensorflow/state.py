@@ -12,8 +12,8 @@ import contextlib
 
 import tensorflow as tf
 
-from gradaccum._validation import variable_name
 from gradaccum.backends.tensorflow.distributed import COUNTED, SUMMED
+from gradaccum.core.validation import variable_name
 
 
 class Untracked:

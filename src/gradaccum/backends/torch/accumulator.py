@@ -17,7 +17,15 @@ import keras
 import torch
 
 from gradaccum import _keras_common as kc
-from gradaccum._validation import (
+from gradaccum.backends.torch.distributed import Reducer, default_group
+from gradaccum.backends.torch.fit import WindowRule
+from gradaccum.backends.torch.record import WindowRecord, tensor, truth
+from gradaccum.backends.torch.state import TorchState
+from gradaccum.core import transitions as tr
+from gradaccum.core.combine import REDUCTIONS, combine
+from gradaccum.core.hints import DType, Nonfinite, Real, Steps
+from gradaccum.core.screening import warn_skipped
+from gradaccum.core.validation import (
     accumulator_dtype_name,
     check_choice,
     check_loss_scale_optimizer,
@@ -27,14 +35,6 @@ from gradaccum._validation import (
     check_weight_value,
     variable_name,
 )
-from gradaccum.backends.torch.distributed import Reducer, default_group
-from gradaccum.backends.torch.fit import WindowRule
-from gradaccum.backends.torch.record import WindowRecord, tensor, truth
-from gradaccum.backends.torch.state import TorchState
-from gradaccum.core import transitions as tr
-from gradaccum.core.combine import REDUCTIONS, combine
-from gradaccum.core.hints import DType, Nonfinite, Real, Steps
-from gradaccum.core.screening import warn_skipped
 
 __all__ = ["GradientAccumulator"]
 

@@ -16,7 +16,6 @@ import torch
 
 from gradaccum import _keras_common as kc
 from gradaccum import adapter
-from gradaccum._validation import accumulator_dtype_name
 from gradaccum.adapter import Findings
 from gradaccum.backends.torch.record import tensor
 from gradaccum.backends.torch.state import TorchState, window_prefix
@@ -24,6 +23,7 @@ from gradaccum.backends.torch.step import TrainStep
 from gradaccum.core import transitions as tr
 from gradaccum.core.combine import combine
 from gradaccum.core.options import Options as CoreOptions
+from gradaccum.core.validation import accumulator_dtype_name
 from gradaccum.core.window import WindowSpec, checked_schedule_value
 
 
@@ -95,6 +95,7 @@ class Accumulation(adapter.Accumulation):
     """
 
     Options = Options
+    backend_name = "PyTorch"
     splits_own_step = False
 
     def __init__(self, options: CoreOptions, layers):

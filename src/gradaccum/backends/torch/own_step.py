@@ -19,9 +19,9 @@ import keras
 import torch
 
 from gradaccum import _keras_common as kc
-from gradaccum._validation import check_optimizer
 from gradaccum.backends.torch.record import restore, snapshot, truth
 from gradaccum.core import transitions as tr
+from gradaccum.core.validation import check_optimizer
 
 
 def run(step, data) -> dict:

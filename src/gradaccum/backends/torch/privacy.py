@@ -37,7 +37,8 @@ def clipped_micro_batch(step, x, y, sample_weight):
     """
     model = step.model
     privacy = step.options.privacy
-    compile_loss, elements = per_example_inputs(model, x, y, sample_weight)
+    compile_loss, elements = per_example_inputs(model, kc.compiled_loss(model), x, y,
+                                                 sample_weight)
     kwargs = {"training": True} if kc.call_has_training_arg(model) else {}
     regularized = regularized_variables(model)
     trainable = [v.value.detach() for v in model.trainable_variables]

@@ -30,7 +30,6 @@ import keras
 import torch
 
 from gradaccum import _keras_common as kc
-from gradaccum._validation import split_batch_size as batch_size
 from gradaccum.backends.torch import own_step as _own_step
 from gradaccum.backends.torch.record import (
     FieldRecord,
@@ -44,6 +43,7 @@ from gradaccum.backends.torch.record import (
 from gradaccum.backends.torch.state import window_prefix
 from gradaccum.core import transitions as tr
 from gradaccum.core.state import LARGEST_KEPT
+from gradaccum.core.validation import split_batch_size as batch_size
 
 # What torch's allocators say when memory runs out (CUDA's error is
 # torch.OutOfMemoryError; the CPU allocator raises a RuntimeError).

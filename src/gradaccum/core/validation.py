@@ -292,14 +292,12 @@ def accumulator_dtype_name(accumulator_dtype) -> str:
 def check_optimizer(optimizer) -> None:
     """Refuses what is not a Keras optimizer, or one that would accumulate gradients
     a second time."""
-    from gradaccum import _keras_common as kc
-
-    if not kc.is_optimizer(optimizer):
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise ValueError(
             "`optimizer` must be a keras.optimizers.Optimizer. "
             f"Received: optimizer of type {type(optimizer).__name__}"
         )
-    if kc.is_loss_scale_optimizer(optimizer):
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         optimizer = optimizer.inner_optimizer
     if getattr(optimizer, "gradient_accumulation_steps", None):
         raise ValueError(
@@ -313,9 +311,7 @@ def check_optimizer(optimizer) -> None:
 def check_loss_scale_optimizer(value) -> None:
     """Refuses what `accumulate(..., loss_scale_optimizer=...)` takes that is not a
     `keras.optimizers.LossScaleOptimizer`."""
-    from gradaccum import _keras_common as kc
-
-    if not kc.is_loss_scale_optimizer(value):
+    if not isinstance(value, keras.optimizers.LossScaleOptimizer):
         raise ValueError(
             "`loss_scale_optimizer` must be a keras.optimizers.LossScaleOptimizer. "
             f"Received: loss_scale_optimizer of type {type(value).__name__}"
@@ -378,3 +374,20 @@ def is_integer_dtype(dtype: str) -> bool:
 
 def is_number_dtype(dtype: str) -> bool:
     return is_integer_dtype(dtype) or dtype.startswith(("float", "bfloat"))
+
+
+def callable_weight(fn, x, y, sample_weight):
+    """Calls a user weighting function and checks that it gives a scalar number
+    (float32); the backend's step checks at run time that it is >= 0."""
+    weight = check_callable_result(
+        fn(x, y, sample_weight),
+        "weighting",
+        kind="a number",
+        scalar="a scalar weight",
+        accepts=is_number_dtype,
+    )
+    return keras.ops.cast(weight, "float32")
+
+
+# The message of a negative weight from a `weighting` callable.
+NEGATIVE_WEIGHT = "The `weighting` callable must return a weight >= 0"
