@@ -1,5 +1,6 @@
 """mkdocs hooks: the performance figures are drawn from the benchmarks' JSON
-(`scripts/figures.py`) before each build, so the site never shows stale ones."""
+(`scripts/figures.py`) and the floors of the package from its imports
+(`scripts/house.py`) before each build, so the site never shows stale ones."""
 
 from __future__ import annotations
 
@@ -14,3 +15,7 @@ def on_pre_build(config, **kwargs) -> None:
     figures = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(figures)
     figures.main([str(ROOT / "docs" / "figures")])
+    spec = importlib.util.spec_from_file_location("house", ROOT / "scripts" / "house.py")
+    house = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(house)
+    (ROOT / "docs" / "figures" / "house.svg").write_text(house.svg())
