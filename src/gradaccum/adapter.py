@@ -35,7 +35,7 @@ from gradaccum.core.validation import check_optimizer
 from gradaccum.exact_epochs import observing_epochs
 from gradaccum.weighting import NormalizerLog, micro_batch_sizes, uniform_message
 
-# The instance attribute that holds a model's accumulation (both doors).
+# The instance attribute that holds a model's accumulation (`accumulate` or `wrap`).
 ATTRIBUTE = "_gradaccum_accumulation"
 
 
@@ -155,11 +155,11 @@ class Accumulation(abc.ABC):
         self.follower = None
         self._follower_unbuilt = False
 
-    # The doors --------------------------------------------------------------------
+    # Where accumulate and wrap receive a model ------------------------------------
 
     @classmethod
     def check_model(cls, model) -> None:
-        """Checks a built model where a door receives it (nothing by default)."""
+        """Checks a built model where `accumulate` or `wrap` receives it (nothing by default)."""
         return None
 
     #: Whether split mode runs a model's own `train_step` (TensorFlow); elsewhere the

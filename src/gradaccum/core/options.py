@@ -1,10 +1,11 @@
-"""The accumulation options, declared once for every door and backend.
+"""The accumulation options, declared once for `accumulate` and `wrap` on every
+backend.
 
 `OPTIONS` is the one list of the options `gradaccum.accumulate`, `gradaccum.wrap`
 and `AccumulatingModel` take: each one's name, default and the words of its
-documentation. The doors read it for their arguments (`given`), their docstrings
-(`documented`) and a saved model's config (`Options.config`); `Options` checks the
-values once, with fixed-form errors.
+documentation. `accumulate` and `wrap` read it for their arguments (`given`), their
+docstrings (`documented`) and a saved model's config (`Options.config`); `Options`
+checks the values once, with fixed-form errors.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ DEFAULTS = {option.name: option.default for option in OPTIONS}
 
 
 def given(arguments: dict) -> dict:
-    """The options among a door's `arguments` (its `locals()`), by name."""
+    """The options among `accumulate`'s or `wrap`'s `arguments` (its `locals()`), by name."""
     return {name: arguments[name] for name in NAMES}
 
 
@@ -139,7 +140,7 @@ def filled(docstring: str) -> str:
 
 def check_signature(function: Callable[..., Any], *, skip: int = 1) -> None:
     """Raises unless `function` takes every option with its default (after its first
-    `skip` parameters): a door that drifted from `OPTIONS`."""
+    `skip` parameters): a signature that drifted from `OPTIONS`."""
     parameters = list(inspect.signature(function).parameters.values())[skip:]
     found = {p.name: p.default for p in parameters if p.name in DEFAULTS}
     if found != DEFAULTS:

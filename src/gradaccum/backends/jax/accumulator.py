@@ -266,8 +266,8 @@ class GradientAccumulator(Packed):
                 f"`variables` ({len(self.variables)}). Received: "
                 f"{len(accumulator_variables)} values."
             )
-        ours = self.unpack(dict(zip(self.carried(), accumulator_variables)))
-        carry = Carry(trainable, [], optimizer_variables, [], ours)
+        fields = self.unpack(dict(zip(self.carried(), accumulator_variables)))
+        carry = Carry(trainable, [], optimizer_variables, [], fields)
         applier = Applier(optimizer, tuple(range(len(optimizer_variables))),
                           tuple(range(len(trainable))))
         return carry, WindowRecord(carry, _Owner(self, optimizer), applier)
@@ -296,7 +296,7 @@ class GradientAccumulator(Packed):
         return self._returned(carry)
 
     def _returned(self, carry: Carry) -> tuple[list, list, list]:
-        accumulated = self.pack(carry.ours)
+        accumulated = self.pack(carry.fields)
         values = [accumulated[name] for name in self.carried()]
         if not any(isinstance(v, jax.core.Tracer) for v in values):
             # Eagerly (outside jax.jit) an error raises at once.

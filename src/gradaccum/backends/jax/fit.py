@@ -78,7 +78,7 @@ def check_accumulator_dtype(accumulator_dtype) -> str:
 
 
 def check_model(model) -> None:
-    """Nothing to check on JAX where the doors receive a built model."""
+    """Nothing to check on JAX where `accumulate` and `wrap` receive a built model."""
 
 
 class Accumulation(adapter.Accumulation):
@@ -245,10 +245,10 @@ class Accumulation(adapter.Accumulation):
     def epoch_began(self, hook, resume_skip: int) -> None:
         """The host's count of the window starts from the state (one read per
         epoch), after the hook set the epoch's fields; the restored micro-batches
-        are passed over where the step passes over them (`TrainStep.held`)."""
+        are passed over where the step passes over them (`TrainStep.pass_over_restored`)."""
         if self._phases is None or self.state is None or self.step is None:
             return
-        skip = resume_skip if self.step.holds_restored else 0
+        skip = resume_skip if self.step.passes_over_restored else 0
         # The epoch's length is the one the hook gave the state as the fit began.
         self._phases.window.start(self.open_micro_batches(), self.epoch_length(hook), skip)
 
@@ -373,8 +373,8 @@ class Accumulation(adapter.Accumulation):
         optimizer = applier.optimizer
         state = self.state
         assert state is not None, "called with a state"
-        ours = state.carried()
-        window = state.unpack({name: v.value for name, v in ours.items()})
+        fields = state.carried()
+        window = state.unpack({name: v.value for name, v in fields.items()})
         prefix = window_prefix(index)
         if int(window[prefix + "micro_step"]) + int(window[prefix + "window_skipped"]) == 0:
             return None
@@ -388,7 +388,7 @@ class Accumulation(adapter.Accumulation):
         for v, value in zip(optimizer.variables, optimizer_variables):
             v.assign(value)
         for name, value in state.pack(window).items():
-            ours[name].assign(value)
+            fields[name].assign(value)
         return bool(applied)
 
     def _closer(self, index, applier, apply: bool):
@@ -407,7 +407,7 @@ class Accumulation(adapter.Accumulation):
                 else:
                     tr.drop(record)
                     applied = jnp.asarray(False)
-                return carry.trainable, carry.optimizer, carry.ours, applied
+                return carry.trainable, carry.optimizer, carry.fields, applied
 
             closers[index, apply] = jax.jit(close)
         return closers[index, apply]

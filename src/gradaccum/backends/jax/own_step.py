@@ -3,7 +3,7 @@ accumulated.
 
 While the step runs, every optimizer the model holds (`self.optimizer`, a GAN's
 `self.g_optimizer` / `self.d_optimizer`, one in a list or dict attribute) has its
-`stateless_apply` replaced by the `Handover`'s: the gradients the step hands over
+`stateless_apply` replaced by the `ApplyRouter`'s: the gradients the step hands over
 go through that optimizer's window record (`gradaccum.core.transitions`: screened,
 weighted, added, and when the window is due or the data ends, applied), and the call
 returns the variables as the window left them: updated when it closed, as they were
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import keras
 
 from gradaccum import _keras_common as kc
-from gradaccum.backends.jax.record import FitRecord, WindowRecord, kept_unless
+from gradaccum.backends.jax.record import FitRecord, WindowRecord, where_accepted
 from gradaccum.backends.jax.state import window_prefix
 from gradaccum.core import transitions as tr
 from gradaccum.core.validation import check_optimizer
@@ -68,7 +68,7 @@ class Applier(NamedTuple):
 
 def run(step, carry, data) -> dict:
     """`steps` mode with the model's own `train_step(state, data)` (`step.own_step`):
-    it runs as written, each optimizer call through its window (`Handover`).
+    it runs as written, each optimizer call through its window (`ApplyRouter`).
     Returns the step's logs; `carry` holds the state after it."""
     model = step.model
     fit = FitRecord(carry)
@@ -76,23 +76,23 @@ def run(step, carry, data) -> dict:
     theirs = [i for i in range(len(carry.metrics)) if i not in step.slots.values()]
     step_name = f"{type(model).__name__}.train_step"
     entry_non_trainable = list(carry.non_trainable)
-    handover = Handover(step, carry, data, tr.end_of_data(fit), step_name)
+    router = ApplyRouter(step, carry, data, tr.end_of_data(fit), step_name)
     step.normalizers.start()
-    with handover.recording(), step.follower.observing():
+    with router.recording(), step.follower.observing():
         logs, state = step.own_step(
             (list(carry.trainable), list(carry.non_trainable), list(carry.optimizer),
              [carry.metrics[i] for i in theirs]),
             data,
         )
-    if not handover.appliers:
+    if not router.appliers:
         raise ValueError(
             f"The train_step of {type(model).__name__} must hand its gradients to "
             "the model's optimizer (`self.optimizer.stateless_apply(...)`) for "
             "gradaccum to accumulate them. Received: a step that did not call it, "
             "so nothing would be trained."
         )
-    check_loss_scaled_appliers(step, handover.appliers, step_name)
-    step.appliers = dict(handover.appliers)
+    check_loss_scaled_appliers(step, router.appliers, step_name)
+    step.appliers = dict(router.appliers)
     step.appliers_known = True
     trainable_out, non_trainable_out, optimizer_out, metrics_out = state
     updated = set().union(*(a.variable_slots for a in step.appliers.values()))
@@ -115,13 +115,13 @@ def run(step, carry, data) -> dict:
             f"{step_name} returned others (an optimizer gradaccum does not reach "
             "as an attribute of the model, or a change of its own?)."
         )
-    accepted = jnp.any(jnp.stack(handover.accepted))
+    accepted = jnp.any(jnp.stack(router.accepted))
     carry.non_trainable = [jnp.where(accepted, new, old)
                            for new, old in zip(non_trainable_out, entry_non_trainable)]
     # The moving statistics follow the first optimizer call's window (every
     # optimizer's saw the same micro-batches).
     step.follow(carry, entry_non_trainable, non_trainable_out,
-                handover.outcomes[0]._replace(accepted=accepted))
+                router.outcomes[0]._replace(accepted=accepted))
     entry_metrics = list(carry.metrics)
     for i, value in zip(theirs, metrics_out):
         carry.metrics[i] = value
@@ -129,10 +129,10 @@ def run(step, carry, data) -> dict:
     if tr.tracks_skips(step.policy, step.loss_scaled):
         # The step's own trackers leave out a micro-batch any of its optimizers
         # skipped, as Keras's step's do.
-        used = jnp.all(jnp.stack(handover.accepted))
+        used = jnp.all(jnp.stack(router.accepted))
         moved, _ = step.stateless_metrics(carry.metrics, None, None,
                                           model.get_metrics_result)
-        carry.metrics = kept_unless(used, carry.metrics, entry_metrics)
+        carry.metrics = where_accepted(used, carry.metrics, entry_metrics)
         trackers, _ = step.stateless_metrics(carry.metrics, None, None,
                                              model.get_metrics_result)
         logs = tr.kept_logs(used, logs, trackers, moved)
@@ -170,7 +170,7 @@ def check_loss_scaled_appliers(step, appliers, step_name) -> None:
         )
 
 
-class Handover:
+class ApplyRouter:
     """What the model's own step hands to each optimizer's `stateless_apply` (at
     most once per optimizer and step), taken through that optimizer's window.
 

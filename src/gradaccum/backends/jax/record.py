@@ -56,14 +56,14 @@ class LossScaling:
 class Carry:
     """The step's values, changed in place as the step traces: `trainable`,
     `non_trainable`, `optimizer` and `metrics` (lists, as the trainer's state holds
-    them) and `ours` (gradaccum's state by field name)."""
+    them) and `fields` (gradaccum's state by field name)."""
 
-    def __init__(self, trainable, non_trainable, optimizer, metrics, ours):
+    def __init__(self, trainable, non_trainable, optimizer, metrics, fields):
         self.trainable = list(trainable)
         self.non_trainable = list(non_trainable)
         self.optimizer = list(optimizer)
         self.metrics = list(metrics)
-        self.ours = dict(ours)
+        self.fields = dict(fields)
 
 
 class FitRecord(Record):
@@ -73,24 +73,24 @@ class FitRecord(Record):
         self.carry = carry
 
     def has(self, name: str) -> bool:
-        return name in self.carry.ours
+        return name in self.carry.fields
 
     def get(self, name: str):
-        return self.carry.ours[name]
+        return self.carry.fields[name]
 
     def set(self, name: str, value) -> None:
-        old = self.carry.ours[name]
-        self.carry.ours[name] = jnp.asarray(value).astype(old.dtype)
+        old = self.carry.fields[name]
+        self.carry.fields[name] = jnp.asarray(value).astype(old.dtype)
 
     def fail(self, error, code: str, at, value=None) -> None:
         """Records the first error (its code, where, and the micro-batch's number);
         `fit` raises it after the call."""
-        ours = self.carry.ours
-        first = (ours["error"] == 0) & error
-        ours["error"] = jnp.where(first, ERRORS[code], ours["error"]).astype("int32")
-        ours["error_at"] = jnp.where(first, at, ours["error_at"]).astype("int32")
-        ours["error_micro_batch"] = jnp.where(
-            first, ours["micro_batches"] + 1, ours["error_micro_batch"]
+        fields = self.carry.fields
+        first = (fields["error"] == 0) & error
+        fields["error"] = jnp.where(first, ERRORS[code], fields["error"]).astype("int32")
+        fields["error_at"] = jnp.where(first, at, fields["error_at"]).astype("int32")
+        fields["error_micro_batch"] = jnp.where(
+            first, fields["micro_batches"] + 1, fields["error_micro_batch"]
         ).astype("int32")
 
     def cond(self, pred, true_fn, false_fn):
@@ -101,7 +101,7 @@ class FitRecord(Record):
         where an error stops nothing: a custom loop's)."""
         if not getattr(self, "gates_errors", True):
             return None
-        return self.carry.ours["error"] == 0
+        return self.carry.fields["error"] == 0
 
 
 class WindowRecord(FitRecord):
@@ -137,30 +137,30 @@ class WindowRecord(FitRecord):
 
     def _key(self, name: str) -> str:
         key = self.prefix + name
-        return key if key in self.carry.ours else name
+        return key if key in self.carry.fields else name
 
     def has(self, name: str) -> bool:
-        return self._key(name) in self.carry.ours
+        return self._key(name) in self.carry.fields
 
     def get(self, name: str):
-        return self.carry.ours[self._key(name)]
+        return self.carry.fields[self._key(name)]
 
     def set(self, name: str, value) -> None:
         super().set(self._key(name), value)
 
     def fail(self, error, code: str, at, value=None) -> None:
-        ours = self.carry.ours
-        first = (ours["error"] == 0) & error
+        fields = self.carry.fields
+        first = (fields["error"] == 0) & error
         super().fail(error, code, at, value)
         # The micro-batch's number is the record's count of those presented.
-        ours["error_micro_batch"] = jnp.where(
-            first, self.get("micro_batches") + 1, ours["error_micro_batch"]
+        fields["error_micro_batch"] = jnp.where(
+            first, self.get("micro_batches") + 1, fields["error_micro_batch"]
         ).astype("int32")
 
     # Primitives ---------------------------------------------------------------------
 
     def sums(self) -> list:
-        return [self.carry.ours[accumulator_name(i)] for i in self.slots]
+        return [self.carry.fields[accumulator_name(i)] for i in self.slots]
 
     def dtypes(self) -> list:
         return [self.step.variable_dtypes[i] for i in self.slots]
@@ -169,15 +169,15 @@ class WindowRecord(FitRecord):
         return all_finite(gradients)
 
     def add_sums(self, gradients, factor, accept) -> None:
-        ours = self.carry.ours
+        fields = self.carry.fields
         for i, g in zip(self.slots, gradients):
             if g is None:
                 continue
             name = accumulator_name(i)
-            total = ours[name]
+            total = fields[name]
             if factor is not None:
                 g = g * jnp.asarray(factor).astype(g.dtype)
-            ours[name] = jnp.where(accept, total + g.astype(total.dtype), total)
+            fields[name] = jnp.where(accept, total + g.astype(total.dtype), total)
 
     def close(self, apply, close, update, finish, empty_sums=True):
         carry = self.carry
@@ -196,29 +196,29 @@ class WindowRecord(FitRecord):
             apply, branch(True), branch(False), (list(carry.trainable), list(carry.optimizer))
         )
         # The bookkeeping is scalars: computed, and kept where the window closes.
-        before = dict(carry.ours)
+        before = dict(carry.fields)
         finish(apply)
-        for name, value in carry.ours.items():
+        for name, value in carry.fields.items():
             if value is not before[name]:
-                carry.ours[name] = jnp.where(close, value, before[name])
+                carry.fields[name] = jnp.where(close, value, before[name])
         if empty_sums:
             for i in self.slots:
                 name = accumulator_name(i)
-                carry.ours[name] = jnp.where(close, jnp.zeros_like(carry.ours[name]),
-                                             carry.ours[name])
+                carry.fields[name] = jnp.where(close, jnp.zeros_like(carry.fields[name]),
+                                             carry.fields[name])
         return apply
 
     def set_sums(self, values) -> None:
-        ours = self.carry.ours
+        fields = self.carry.fields
         for i, value in zip(self.slots, values):
             if value is not None:
                 name = accumulator_name(i)
-                ours[name] = jnp.asarray(value).astype(ours[name].dtype)
+                fields[name] = jnp.asarray(value).astype(fields[name].dtype)
 
     def empty_sums(self) -> None:
         for i in self.slots:
             name = accumulator_name(i)
-            self.carry.ours[name] = jnp.zeros_like(self.carry.ours[name])
+            self.carry.fields[name] = jnp.zeros_like(self.carry.fields[name])
 
     def apply(self, gradients) -> None:
         """The window's update: its optimizer's `stateless_apply` on its variables
@@ -273,7 +273,7 @@ class WindowRecord(FitRecord):
         self.carry.optimizer[step.scale_slot] = scale
 
 
-def kept_unless(accepted, new, old) -> list:
+def where_accepted(accepted, new, old) -> list:
     """Variables after a micro-batch (`new`: non-trainable ones, statistics and
     seeds, or the metrics'), or as they were (`old`) where it was not accumulated
     (skipped: it never reaches the weights nor the logs)."""

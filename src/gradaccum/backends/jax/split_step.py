@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import keras
 
-from gradaccum.backends.jax.record import Carry, FitRecord, kept_unless
+from gradaccum.backends.jax.record import Carry, FitRecord, where_accepted
 from gradaccum.core import transitions as tr
 from gradaccum.core.state import ERROR_FIELDS, accumulator_name
 from gradaccum.core.validation import split_batch_size as batch_size
@@ -32,8 +32,8 @@ def split_batch(step, carry: Carry, data, size):
     Returns:
         The batch's logs (its loss and metrics as Keras logs a step's).
     """
-    halted = carry.ours["error"] > 0
-    entry = dict(carry.ours)
+    halted = carry.fields["error"] > 0
+    entry = dict(carry.fields)
     batch = batch_size(data)
     shards = Shards.of_batch(size)
     if batch % shards.count:
@@ -51,9 +51,9 @@ def split_batch(step, carry: Carry, data, size):
     tracks_skips = tr.tracks_skips(step.policy, step.loss_scaled)
 
     def run(scanned, micro):
-        non_trainable, optimizer_variables, metrics_variables, ours, weighted, weights = scanned
+        non_trainable, optimizer_variables, metrics_variables, fields, weighted, weights = scanned
         inner = Carry(trainable, non_trainable, optimizer_variables, metrics_variables,
-                      ours)
+                      fields)
         record = step.record(inner)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(micro)
         loss, y_pred, weight, gradients, normalizers, weighted_gradients, unit = (
@@ -67,7 +67,7 @@ def split_batch(step, carry: Carry, data, size):
             loss_scale=loss_scale, grows=False, closes=False, unit=unit,
             fit=FitRecord(inner),
         )
-        inner.non_trainable = kept_unless(accepted, inner.non_trainable, non_trainable)
+        inner.non_trainable = where_accepted(accepted, inner.non_trainable, non_trainable)
         step.follow(inner, non_trainable, step.forward_state,
                     tr.Outcome(accepted, False, False))
         _, inner.metrics = step.stateless_metrics(
@@ -79,20 +79,20 @@ def split_batch(step, carry: Carry, data, size):
         loss = loss.astype("float32")
         if tracks_skips:
             # A skipped micro-batch's loss and metrics join nothing.
-            inner.metrics = kept_unless(accepted, inner.metrics, metrics_variables)
+            inner.metrics = where_accepted(accepted, inner.metrics, metrics_variables)
             loss = jnp.where(accepted, loss, 0.0)
             weight = jnp.where(accepted, weight, 0.0)
         weighted = weighted + loss * weight
         return (list(inner.non_trainable), list(inner.optimizer), list(inner.metrics),
-                inner.ours, weighted, weights + weight), None
+                inner.fields, weighted, weights + weight), None
 
     # The batch's sums start from zero in the step (the state keeps none).
     for i, variable in enumerate(trainable):
         name = accumulator_name(i)
-        carry.ours[name] = jnp.zeros(variable.shape, entry[name].dtype)
+        carry.fields[name] = jnp.zeros(variable.shape, entry[name].dtype)
     zero = jnp.zeros((), "float32")
     scanned = (list(carry.non_trainable), list(carry.optimizer), list(carry.metrics),
-               carry.ours, zero, zero)
+               carry.fields, zero, zero)
     stacked, tail = shards.cut(data, whole, part, rest)
     if whole == 1:
         scanned, _ = run(scanned, jax.tree_util.tree_map(lambda t: t[0], stacked))
@@ -101,7 +101,7 @@ def split_batch(step, carry: Carry, data, size):
     if rest:
         scanned, _ = run(scanned, tail)
     before = (list(carry.non_trainable), list(carry.optimizer), list(carry.metrics))
-    (carry.non_trainable, carry.optimizer, carry.metrics, carry.ours, weighted,
+    (carry.non_trainable, carry.optimizer, carry.metrics, carry.fields, weighted,
      weights) = scanned
     carry.non_trainable, carry.optimizer = list(carry.non_trainable), list(carry.optimizer)
     record = step.record(carry)
@@ -115,12 +115,12 @@ def split_batch(step, carry: Carry, data, size):
                               jnp.where(finite, grown[1], scale))
     # An error in this batch (a non-finite gradient with nonfinite="raise", a
     # negative weight) leaves no update and no window: fit raises after the call.
-    failed = (carry.ours["error"] > 0) & ~halted
+    failed = (carry.fields["error"] > 0) & ~halted
     applied = tr.apply_now(step.policy, record, ~failed, fit=fit)
     step.follow(carry, carry.non_trainable, None, tr.Outcome(False, applied, ~failed))
     for i in range(len(trainable)):
         name = accumulator_name(i)
-        carry.ours[name] = entry[name]
+        carry.fields[name] = entry[name]
     # The batch's loss, logged as Keras logs a step's on the whole batch.
     loss = jnp.where(weights > 0, weighted / jnp.where(weights > 0, weights, 1.0), 0.0)
     # (Where skips leave the trackers, a batch whose every micro-batch was
@@ -133,13 +133,13 @@ def split_batch(step, carry: Carry, data, size):
     )
     if step.policy.raises:
         # A batch that failed changes nothing but its error's fields.
-        kept = dict(entry, **{field: carry.ours[field] for field in ERROR_FIELDS})
-        kept["epoch_step"] = carry.ours["epoch_step"]
+        kept = dict(entry, **{field: carry.fields[field] for field in ERROR_FIELDS})
+        kept["epoch_step"] = carry.fields["epoch_step"]
         after = (carry.trainable, carry.non_trainable, carry.optimizer, carry.metrics,
-                 carry.ours)
+                 carry.fields)
         old = (trainable, *before, kept)
         (carry.trainable, carry.non_trainable, carry.optimizer, carry.metrics,
-         carry.ours) = jax.tree_util.tree_map(
+         carry.fields) = jax.tree_util.tree_map(
             lambda new, old: jnp.where(failed, old, new), after, old
         )
     return logs

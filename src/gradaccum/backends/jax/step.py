@@ -35,7 +35,7 @@ from gradaccum.backends.jax.record import (
     FitRecord,
     LossScaling,
     WindowRecord,
-    kept_unless,
+    where_accepted,
 )
 from gradaccum.backends.jax.state import AccumulationState, window_prefix
 from gradaccum.core import overwrite
@@ -67,10 +67,10 @@ class TrainStep:
         self.normalizers = normalizers
         self.warned_no_compiled_loss = False
         metrics_variables = model.metrics_variables
-        ours = {id(v): name for name, v in state.carried().items()}
+        fields = {id(v): name for name, v in state.carried().items()}
         # Where the state's variables sit among the trainer's metric variables.
-        self.slots = {ours[id(v)]: i for i, v in enumerate(metrics_variables) if id(v) in ours}
-        if len(self.slots) != len(ours):
+        self.slots = {fields[id(v)]: i for i, v in enumerate(metrics_variables) if id(v) in fields}
+        if len(self.slots) != len(fields):
             raise ValueError(
                 "gradaccum's state rides in the metric variables Keras's JAX trainer "
                 "carries (`model.metrics_variables`, from `model.metrics`). Received: "
@@ -129,10 +129,10 @@ class TrainStep:
         size `"auto"` tries). `closes=False`: a micro-batch of Keras's step that the
         host knows closes no window (`phases.py`), compiled without the close."""
         trainable, non_trainable, optimizer_variables, metrics_variables = state
-        ours = self.state.unpack({name: metrics_variables[i]
+        fields = self.state.unpack({name: metrics_variables[i]
                                   for name, i in self.slots.items()})
-        carry = Carry(trainable, non_trainable, optimizer_variables, metrics_variables, ours)
-        entry = Carry(trainable, non_trainable, optimizer_variables, metrics_variables, ours)
+        carry = Carry(trainable, non_trainable, optimizer_variables, metrics_variables, fields)
+        entry = Carry(trainable, non_trainable, optimizer_variables, metrics_variables, fields)
         if self.options.split:
             size = micro_batch_size or self.options.micro_batch_size
             logs = split_step.split_batch(self, carry, data, size)
@@ -141,9 +141,9 @@ class TrainStep:
         else:
             logs = self.micro_batch(carry, data, closes)
         logs = dict(logs, **self.counters(carry))
-        self.held(carry, entry)
+        self.pass_over_restored(carry, entry)
         metrics_variables = list(carry.metrics)
-        for name, value in self.state.pack(carry.ours).items():
+        for name, value in self.state.pack(carry.fields).items():
             metrics_variables[self.slots[name]] = value
         return logs, (carry.trainable, carry.non_trainable, carry.optimizer,
                       metrics_variables)
@@ -170,7 +170,7 @@ class TrainStep:
         )
         if not closes:
             tr.unclosed(self.policy, record, end)
-        carry.non_trainable = kept_unless(accepted, carry.non_trainable, before)
+        carry.non_trainable = where_accepted(accepted, carry.non_trainable, before)
         self.follow(carry, before, self.forward_state, record.outcome)
         logs, carry.metrics = self.stateless_metrics(
             self.forward_metrics, loss, tr.logged_weight(self.policy, x, weight),
@@ -179,7 +179,7 @@ class TrainStep:
         if tr.tracks_skips(self.policy, self.loss_scaled):
             # A skipped micro-batch leaves the loss tracker and the metrics: the
             # logs (History, callbacks such as TerminateOnNaN) are the used ones'.
-            carry.metrics = kept_unless(accepted, carry.metrics, entry_metrics)
+            carry.metrics = where_accepted(accepted, carry.metrics, entry_metrics)
             logs, _ = self.stateless_metrics(carry.metrics, None, None,
                                              self.model.get_metrics_result)
         return logs
@@ -254,35 +254,35 @@ class TrainStep:
         )
         return loss, y_pred, weight, gradients, None, True, None
 
-    def held(self, carry: Carry, entry: Carry) -> None:
+    def pass_over_restored(self, carry: Carry, entry: Carry) -> None:
         """The step's result, or the state it found where the batch changes nothing
         but the epoch's position: a restored run's batch already trained on
         (BackupAndRestore inside an epoch), or after an error (the rest of a
         compiled call of several batches, before fit raises: nothing at all)."""
-        if not self.holds_restored:
+        if not self.passes_over_restored:
             return
-        ours = entry.ours
-        halted = ours["error"] > 0
-        hold = (ours["resume_skip"] > 0) | halted
-        epoch_step = jnp.where(halted, ours["epoch_step"], carry.ours["epoch_step"])
-        resume_skip = jnp.where(halted, ours["resume_skip"],
-                                jnp.maximum(ours["resume_skip"] - 1, 0))
+        fields = entry.fields
+        halted = fields["error"] > 0
+        hold = (fields["resume_skip"] > 0) | halted
+        epoch_step = jnp.where(halted, fields["epoch_step"], carry.fields["epoch_step"])
+        resume_skip = jnp.where(halted, fields["resume_skip"],
+                                jnp.maximum(fields["resume_skip"] - 1, 0))
         after = (carry.trainable, carry.non_trainable, carry.optimizer, carry.metrics,
-                 carry.ours)
+                 carry.fields)
         before = (entry.trainable, entry.non_trainable, entry.optimizer, entry.metrics,
-                  ours)
+                  fields)
         (carry.trainable, carry.non_trainable, carry.optimizer, carry.metrics,
-         carry.ours) = jax.tree_util.tree_map(
+         carry.fields) = jax.tree_util.tree_map(
             lambda new, old: jnp.where(hold, old, new), after, before
         )
-        carry.ours["epoch_step"] = epoch_step
-        carry.ours["resume_skip"] = resume_skip
+        carry.fields["epoch_step"] = epoch_step
+        carry.fields["resume_skip"] = resume_skip
 
     @property
-    def holds_restored(self) -> bool:
+    def passes_over_restored(self) -> bool:
         """Whether the step passes over the micro-batches a restored run trained on
         already (`resume_skip`): compiled in only where the fit can restore inside an
-        epoch, or where an error halts the step (`held`)."""
+        epoch, or where an error halts the step (`pass_over_restored`)."""
         return self.resumable or self.policy.raises
 
     # Pieces -------------------------------------------------------------------------
@@ -296,12 +296,12 @@ class TrainStep:
             return
         slots = self.moving_slots
         statistics, values = follower.step(
-            {name: carry.ours[name] for name in follower.names()},
+            {name: carry.fields[name] for name in follower.names()},
             [(start[a], start[b]) for a, b in slots],
             None if moved is None else [(moved[a], moved[b]) for a, b in slots],
             *outcome,
         )
-        carry.ours.update(statistics)
+        carry.fields.update(statistics)
         for (a, b), (mean, variance) in zip(slots, values):
             carry.non_trainable[a] = mean
             carry.non_trainable[b] = variance
@@ -338,7 +338,7 @@ class TrainStep:
             skipped = counts[0] if len(counts) == 1 else jnp.max(jnp.stack(counts))
         logs = tr.counters(record, carry.optimizer[applier.iterations_slot()], skipped)
         if self.policy.raises:
-            logs[ERROR_KEY] = carry.ours["error"]
+            logs[ERROR_KEY] = carry.fields["error"]
         return logs
 
     @property

@@ -1,4 +1,5 @@
-"""A `tf.cond` whose rarely taken branch costs nothing when it is not taken."""
+"""`cond_kept_whole`: a `tf.cond` kept as one functional `If` op, so that the branch
+not taken costs nothing (an update on the micro-batches that make none)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
 
-def rare_cond(pred, true_fn, false_fn):
+def cond_kept_whole(pred, true_fn, false_fn):
     """`tf.cond(pred, true_fn, false_fn)` kept as one functional `If` op.
 
     Inside a `tf.function` TensorFlow lowers a `tf.cond` to switch and merge nodes,

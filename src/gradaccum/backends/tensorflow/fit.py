@@ -1,4 +1,4 @@
-"""Accumulation inside Keras's `fit()` on TensorFlow: one mechanism for both doors.
+"""Accumulation inside Keras's `fit()` on TensorFlow: one mechanism for `accumulate` and `wrap`.
 
 `Accumulation` attaches to the model being trained (the *host*): the user's own
 model (`gradaccum.accumulate`) or `wrap`'s `AccumulatingModel`. It holds the
@@ -106,7 +106,7 @@ class Accumulation(adapter.Accumulation):
 
     @classmethod
     def check_model(cls, model) -> None:
-        """Checks a built model's variables where the doors receive it (one
+        """Checks a built model's variables where `accumulate` and `wrap` receive it (one
         tf.distribute strategy for all of them)."""
         distribution_of(model.trainable_variables)
 

@@ -5,7 +5,7 @@ variables, and TensorFlow's primitives for `gradaccum.core.transitions`.
   in place.
 - The sums' add is in place, a sparse gradient (`tf.IndexedSlices`) scatter-added,
   never densified (`combine.add_micro_batch`), inside a `tf.cond` on the screen.
-- A window's close runs in one functional `If` kept whole (`branching.rare_cond`):
+- A window's close runs in one functional `If` kept whole (`branching.cond_kept_whole`):
   most micro-batches close nothing, and their step does not walk the update's
   nodes.
 - An error raises: eagerly at once, in a traced step as a graph assertion every
@@ -27,7 +27,7 @@ import tensorflow as tf
 from gradaccum.backends.tensorflow import combine as _combine
 from gradaccum.backends.tensorflow import keras_compat as kc
 from gradaccum.backends.tensorflow import screening
-from gradaccum.backends.tensorflow.branching import rare_cond
+from gradaccum.backends.tensorflow.branching import cond_kept_whole
 from gradaccum.core import overwrite
 from gradaccum.core import transitions as tr
 from gradaccum.core.state import RESET
@@ -154,8 +154,8 @@ class VariableRecord(ModuleRecord):
             if _static(close) is True:
                 return closing()
             # Most micro-batches close nothing: their branch is empty, and the
-            # update's is not walked (`rare_cond`).
-            return rare_cond(tf.cast(close, tf.bool), closing, lambda: tf.constant(False))
+            # update's is not walked (`cond_kept_whole`).
+            return cond_kept_whole(tf.cast(close, tf.bool), closing, lambda: tf.constant(False))
 
     def set_sums(self, values) -> None:
         with self._after_checks():

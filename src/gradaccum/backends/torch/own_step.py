@@ -34,26 +34,26 @@ def run(step, data) -> dict:
     entry_metrics = snapshot(model.metrics_variables) if tracks else None
     entry_state = step.forward_state.take() if tracks else None
     start = step.moving_start()
-    handover = Handover(step, data, tr.end_of_data(fit), step_name)
+    router = ApplyRouter(step, data, tr.end_of_data(fit), step_name)
     step.normalizers.start()
-    with handover.recording(), step.follower.observing():
+    with router.recording(), step.follower.observing():
         logs = step.accumulation.own_train_step(data)
-    if not handover.calls:
+    if not router.calls:
         raise ValueError(
             f"The train_step of {type(model).__name__} must hand its gradients to "
             "the model's optimizer (`self.optimizer.apply(grads, variables)`) for "
             "gradaccum to accumulate them. Received: a step that did not call it, "
             "so nothing would be trained."
         )
-    step.appliers.update(handover.appliers)
-    accepted = any(handover.accepted)
+    step.appliers.update(router.appliers)
+    accepted = any(router.accepted)
     if not accepted and entry_state is not None:
         step.forward_state.put_back(entry_state)
     # The moving statistics follow the first optimizer call's window (every
     # optimizer's saw the same micro-batches).
-    step.follow(start, handover.outcomes[0]._replace(accepted=accepted))
+    step.follow(start, router.outcomes[0]._replace(accepted=accepted))
     logs = dict(logs) if isinstance(logs, dict) else logs
-    if tracks and not all(handover.accepted):
+    if tracks and not all(router.accepted):
         # The step's own trackers leave out a micro-batch any of its optimizers
         # skipped, as Keras's step's do.
         moved = model.get_metrics_result()
@@ -63,7 +63,7 @@ def run(step, data) -> dict:
     return logs
 
 
-class Handover:
+class ApplyRouter:
     """What the model's own step hands to each optimizer's `apply` (at most once per
     optimizer and step), taken through that optimizer's window.
 

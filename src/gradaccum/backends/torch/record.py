@@ -281,7 +281,7 @@ class WindowRecord(FieldRecord):
             return
         with torch.no_grad():
             # The class's own `apply`: a model's own step routes the instance's
-            # through its window (`own_step.Handover`).
+            # through its window (`own_step.ApplyRouter`).
             type(optimizer).apply(optimizer, [g for g, _ in pairs], [v for _, v in pairs])
 
     def all_finite(self, gradients):
