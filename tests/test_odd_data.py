@@ -108,3 +108,40 @@ def test_inputs_of_unknown_batch_size_and_length(door):
     assert history.history["updates"] == [3.0, 6.0]
     windows = [np.r_[0:7], np.r_[7:12], np.r_[12:14]] * 2
     assert_same_weights(model, reference(x, y, windows))
+
+
+def test_a_layer_used_only_in_training_of_a_model_built_by_its_first_batch_trains():
+    # The model is built from the data's shapes with training=True, as Keras builds
+    # it in its traced step: `aux`, called only in training, has its variables (and
+    # the optimizer its slots) before the accumulators are made.
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(100, 6)).astype("float32")
+    y = rng.integers(0, 3, 100).astype("int32")
+    sce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    class Aux(keras.Model):
+        def __init__(self):
+            super().__init__()
+            init = keras.initializers.RandomNormal
+            self.a = keras.layers.Dense(8, "tanh", kernel_initializer=init(0, 0.5, 0))
+            self.b = keras.layers.Dense(3, kernel_initializer=init(0, 0.5, 1))
+            self.aux = keras.layers.Dense(3, kernel_initializer=init(0, 0.5, 2))
+
+        def call(self, x, training=False):
+            h = self.a(x)
+            if training:
+                self.add_loss(0.1 * keras.ops.mean(keras.ops.square(self.aux(h))))
+            return self.b(h)
+
+    reference = Aux()
+    reference.compile(keras.optimizers.Adam(0.05), sce)
+    for window in (slice(0, 40), slice(40, 80), slice(80, 100)):
+        reference.train_on_batch(x[window], y[window])
+    from gradaccum import accumulate
+
+    model = accumulate(Aux(), steps=4)
+    model.compile(keras.optimizers.Adam(0.05), sce)
+    model.fit(x, y, batch_size=10, shuffle=False, verbose=0)
+    assert len(model.optimizer.variables) == len(reference.optimizer.variables)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -146,8 +146,6 @@ class Accumulation(abc.ABC):
         self.short_end = False
         self._pending = {}
         self._warned = set()
-        # Whether `train_on_batch` ran since the last fit (its window may be open).
-        self.opened_outside_fit = False
         # Within a save that writes the window itself (gradaccum.model_file).
         self.saving_window = False
         # Keras's BatchNormalization layers followed through the window
@@ -248,8 +246,21 @@ class Accumulation(abc.ABC):
         self.check_optimizers()
         with self.building():
             logs = train_on_batch(*args, **kwargs)
-        self.opened_outside_fit = self.state is not None
+        if self.state is not None:
+            self.fit_field("outside_fit").assign(True)
         return self.after_train_on_batch(logs)
+
+    def close_outside_fit(self) -> None:
+        """The window `train_on_batch` calls left open is closed as `partial` says
+        (kept with "carry"): the micro-batches given before a `fit` are data that
+        ended. A window a `fit` left (interrupted, or carried) goes on. The flag is
+        a field of the state, saved with the window."""
+        if self.state is None:
+            return
+        flag = self.fit_field("outside_fit")
+        if bool(flag.numpy()):
+            self.end_of_data()
+            flag.assign(False)
 
     def after_train_on_batch(self, logs):
         """`train_on_batch`'s logs, after the step's errors are raised."""
@@ -261,11 +272,7 @@ class Accumulation(abc.ABC):
         """Runs `fit` (the host's own) with gradaccum's hook first among callbacks."""
         check_private_fit(self.options, x, batch_size)
         self.check_optimizers()
-        if self.opened_outside_fit:
-            # The micro-batches `train_on_batch` gave before this fit are data that
-            # ended: their window is closed as `partial` says (kept with "carry").
-            self.end_of_data()
-            self.opened_outside_fit = False
+        self.close_outside_fit()
         x = self.warn_added_losses(x)
         self.warn_uniform(x, batch_size, kwargs)
         self.verbose = verbose
@@ -552,8 +559,6 @@ class Accumulation(abc.ABC):
         """Restores what `save_to` wrote; values the state has no place for yet
         wait until it has."""
         self._pending = saving.loaded(store)
-        # A window restored is the file's, not one `train_on_batch` left open.
-        self.opened_outside_fit = False
         if self._pending and getattr(self.host, "optimizer", None) is not None:
             self.ensure_state()
             self.restore_pending()

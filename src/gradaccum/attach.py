@@ -252,7 +252,8 @@ def end_of_data(model: keras.Model) -> int:
         raise ValueError(_not_accumulating(model))
     held = accumulation.open_micro_batches()
     accumulation.end_of_data()
-    accumulation.opened_outside_fit = False
+    if accumulation.state is not None:
+        accumulation.fit_field("outside_fit").assign(False)
     return held
 
 

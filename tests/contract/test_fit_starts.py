@@ -113,6 +113,36 @@ def test_a_sequential_built_by_its_first_batch_in_split_mode():
     assert_weights_close(model, reference)
 
 
+def _seeded_shuffle(x, y):
+    return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(100, seed=7).batch(10)
+
+
+def _one_shot(x, y):
+    batches = iter([(x[i:i + 10], y[i:i + 10]) for i in range(0, 100, 10)])
+    return tf.data.Dataset.from_generator(
+        lambda: batches, output_signature=(tf.TensorSpec((None, 6), "float32"),
+                                           tf.TensorSpec((None,), "int32")))
+
+
+@pytest.mark.parametrize("source", [_seeded_shuffle, _one_shot])
+def test_the_build_reads_no_batch_of_the_data(source):
+    # A model built by its first batch trains on what a built one trains on: the
+    # build reads the data's shapes, not a batch (a seeded shuffle's first order, a
+    # one-shot generator's every batch).
+    if source is _one_shot and keras.backend.backend() != "tensorflow":
+        pytest.skip("Keras's JAX and PyTorch trainers read the first batch to build an "
+                    "unbuilt model, plain fit alike")
+    x, y = data(100)
+    models = []
+    for first in (_unbuilt(), keras.Sequential([keras.Input((6,)), *_layers()])):
+        model = gradaccum.accumulate(first, steps=4)
+        model.compile(keras.optimizers.Adam(0.05), SCE)
+        history = model.fit(source(x, y), epochs=1, shuffle=False, verbose=0)
+        assert history.history["updates"] == [3.0]
+        models.append(model)
+    assert_weights_close(*models)
+
+
 def _compiled(model=None):
     model = gradaccum.accumulate(model or keras.Sequential(
         [keras.Input((6,)), *_layers()]), steps=2)

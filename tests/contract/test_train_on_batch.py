@@ -130,3 +130,26 @@ def test_end_of_data_refuses_a_model_gradaccum_does_not_accumulate_for():
     assert str(info.value).startswith(
         "`model` must be a model that gradaccum accumulates for (returned by "
         "`gradaccum.accumulate`). Received: model='sequential")
+
+
+@pytest.mark.parametrize("round_trip", ["save_weights", "model.save"])
+def test_a_window_the_calls_left_is_closed_alike_after_a_save_and_load(round_trip, tmp_path):
+    # Whether the next fit closes the window is saved with it: 6 calls (2 open),
+    # a save and a load, then a fit of 8 micro-batches: windows 4, 2, 4, 4 as
+    # without the round trip.
+    x, y = data(56)
+    model = _trainer(steps=4)
+    _calls(model, x, y, 6)
+    if round_trip == "save_weights":
+        path = str(tmp_path / "calls.weights.h5")
+        model.save_weights(path)
+        model.load_weights(path)
+    else:
+        path = str(tmp_path / "calls.keras")
+        with pytest.warns(UserWarning, match="open window"):
+            model.save(path)
+        model = gradaccum.accumulate(gradaccum.load_model(path), steps=4)
+    model.fit(x[24:], y[24:], batch_size=4, epochs=1, shuffle=False, verbose=0)
+    reference = _reference(windows_of([4] * 14, [4, 2, 4, 4]), x, y)
+    assert int(model.optimizer.iterations) == 4
+    assert_weights_close(model, reference)

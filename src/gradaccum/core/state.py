@@ -83,6 +83,10 @@ FIT = (
           doc="with float8 layers: whether a window's micro-batches weighed "
               "differently (float8 then quantized a micro-batch's gradient at "
               "another size than the large batch's)"),
+    Field("outside_fit", "flag",
+          doc="whether `train_on_batch` calls left the open window: the next `fit` "
+              "closes it as `partial` says before its first batch (saved with the "
+              "window, so a restored one is closed alike)"),
     Field("largest_window", "weight",
           doc="with `gradaccum.Privacy`: the most examples a window applied held (the "
               "accountant's sampling rate)"),

@@ -15,6 +15,7 @@ import contextlib
 
 import keras
 import tensorflow as tf
+from keras.src.backend import compute_output_spec
 from keras.src.backend.tensorflow.optimizer import TFOptimizer
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from keras.src.layers.normalization.batch_normalization import (
@@ -53,6 +54,7 @@ PRIVATE_PIECES = _keras_common.PRIVATE_PIECES + (
     (keras.src.losses.loss, "unscale_loss_for_distribution", ("value",)),
     (keras.src.models.functional, "Functional", ("inputs", "outputs")),
     (TensorFlowTrainer, "_maybe_symbolic_build", ("iterator", "data_batch")),
+    (keras.src.backend, "compute_output_spec", ("fn",)),
     (TFOptimizer, "_var_key", ("variable",)),
     (TFOptimizer, "_apply_weight_decay", ("variables",)),
     (TFOptimizer, "_backend_update_step", ("grads", "trainable_variables", "learning_rate")),
@@ -68,7 +70,9 @@ PRIVATE_PIECES = _keras_common.PRIVATE_PIECES + (
 )
 
 # Instance attributes read (checked on live objects by the tests): Model's
-# `_call_has_training_arg`, `_loss_tracker`, `_compile_loss` (with `_flat_losses` or
+# `_distribute_strategy` (None without a strategy), Keras's TensorFlow epoch
+# iterator's `_distributed_dataset` (the data as a tf.data dataset),
+# Model's `_call_has_training_arg`, `_loss_tracker`, `_compile_loss` (with `_flat_losses` or
 # `_user_loss`), BatchNormalization's `_reduction_axes`, Layer's
 # `_trainable_variables` and `_non_trainable_variables`, Model's `_compile_config`
 # (a SerializableDict with `.config`), Optimizer's `_trainable_variables`.
@@ -202,15 +206,18 @@ def multi_worker(strategy) -> bool:
 @contextlib.contextmanager
 def built_before_tracing(model):
     """Within the block (a `fit`, a `train_on_batch`), Keras's TensorFlow trainer
-    builds a model that is not built yet from its first batch before it makes the
-    train function, as it does under a tf.distribute strategy and as the JAX and
-    PyTorch trainers always do.
+    builds a model that is not built yet before it makes the train function, as the
+    JAX and PyTorch trainers always do, from the shapes and dtypes of the data.
 
     Without a strategy Keras defers the build into the first trace of its step
     (`_maybe_symbolic_build`), so a `Sequential` with no `keras.Input` has no
     variables when the function is made; gradaccum's accumulators need them then.
-    The build reads shapes and dtypes only: Keras's `fit` rewinds its epoch
-    iterator after it. Data with no batch leaves the model unbuilt.
+    The build reads the dataset's `element_spec` (no batch is read, so a shuffle's
+    order, a one-shot generator and a stateful `map` see what plain Keras gives
+    them), calls the model symbolically with `training=True` (as the step's trace
+    would: a layer used only in training is built too), then lets Keras build the
+    compiled loss, the metrics and the optimizer. Data with no batch leaves the
+    model unbuilt.
     """
     keras_build = model._maybe_symbolic_build
 
@@ -219,14 +226,15 @@ def built_before_tracing(model):
                 layer.built for layer in model._flatten_layers()):
             return keras_build(iterator=iterator, data_batch=data_batch)
         if iterator is not None:
-            for _, _, batches in iterator:
-                try:
-                    data_batch = next(batches)
-                except (StopIteration, tf.errors.OutOfRangeError):
-                    return None
-                break
+            data_batch = iterator._distributed_dataset.element_spec
         if data_batch is None:
             return None
+        symbolic = tf.nest.map_structure(
+            lambda v: None if v is None else keras.KerasTensor(
+                v.shape, keras.backend.standardize_dtype(v.dtype)),
+            data_batch)
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(symbolic)
+        compute_output_spec(model, x, training=True)
         model._symbolic_build(data_batch=data_batch)
         return None
 

@@ -140,6 +140,8 @@ class FitState(tf.Module):
         self.inexact = tf.Variable(False, name="inexact", **COUNTED)
         # With float8 layers: whether a window's micro-batches weighed differently.
         self.unequal = tf.Variable(False, name="unequal", **COUNTED)
+        # Whether train_on_batch calls left the open window (the next fit closes it).
+        self.outside_fit = tf.Variable(False, name="outside_fit", **COUNTED)
         # Split mode: the micro-batch size the step uses ("auto" changes it between
         # calls without a retrace), and whether the step got as far as applying
         # (a step that failed after that point cannot be retried).
@@ -168,7 +170,8 @@ class FitState(tf.Module):
         named = {} if self.accumulator is None else self.accumulator.state_variables()
         for j, (acc, _) in enumerate(self.own):
             named.update({f"own_{j}_{k}": v for k, v in acc.state_variables().items()})
-        named.update(epoch_step=self.epoch_step, resume_skip=self.resume_skip)
+        named.update(epoch_step=self.epoch_step, resume_skip=self.resume_skip,
+                     outside_fit=self.outside_fit)
         if self.largest_window is not None:
             named["largest_window"] = self.largest_window
         named.update(self.statistics)
