@@ -31,8 +31,9 @@ FLOORS = (
      "whether TensorFlow is installed",
      ("gradaccum._tf", "gradaccum._keras_common", "gradaccum.weighting", "gradaccum.exact_epochs",
       "gradaccum.epochs", "gradaccum.added_losses", "gradaccum.saving")),
-    ("the adapter", "the interface every backend implements, and what it does alike",
-     ("gradaccum.adapter",)),
+    ("the adapter", "what a backend writes, declared in one module, and what every "
+     "backend's adapter does alike",
+     ("gradaccum.backend_interface", "gradaccum.adapter")),
     ("backends", "where the state lives and how gradients come, one folder per backend",
      ("gradaccum.backends",)),
     ("files", "the weights and the window saved as one pair, in Keras's files",

@@ -15,18 +15,14 @@ new backend writes.
 
 from __future__ import annotations
 
-import abc
-import contextlib
 import warnings
-from typing import ClassVar, NamedTuple
 
 from gradaccum import _keras_common as kc
 from gradaccum import added_losses, epochs, saving
-from gradaccum.core import moving_statistics, overwrite
-from gradaccum.core import transitions as tr
+from gradaccum.backend_interface import Adapter, Findings  # noqa: F401 (Findings re-exported)
+from gradaccum.core import fit_logs, messages, moving_statistics, overwrite
 from gradaccum.core.auto_size import AutoSize
 from gradaccum.core.moving_statistics import Follower
-from gradaccum.core.options import Options as CoreOptions
 from gradaccum.core.privacy import check_fit as check_private_fit
 from gradaccum.core.privacy import check_layers as check_private_layers
 from gradaccum.core.privacy import spent
@@ -48,59 +44,7 @@ def accumulation_of(model):
 TERM_SLOTS = 8
 
 
-class Findings(NamedTuple):
-    """What an accumulation saw in the steps it ran that makes it differ from
-    training on the window as one batch (`gradaccum.audit` names each).
-
-    - `repeated`: `(optimizer name, calls per batch)` for an optimizer the step
-      applies several times per batch to variables those calls share.
-    - `stale`: `(later, earlier)` optimizer names where the step computes the
-      gradients it hands to `later` after applying `earlier`, from variables
-      `earlier` updates (read from the traced step where `stale_known`).
-    - `stale_known`: whether the backend can tell `stale` (else a step with several
-      `optimizers` may be).
-    - `optimizers`: the names of the optimizers the step hands gradients to.
-    - `inexact`: loss terms whose normalizers' ratios changed within a window.
-    - `skipped`: micro-batches skipped for a non-finite gradient.
-    """
-
-    repeated: list
-    stale: list
-    stale_known: bool
-    optimizers: list
-    inexact: bool
-    skipped: int
-
-    def step_causes(self) -> list:
-        """`(key, text)` for each thing the model's own step does that accumulation
-        cannot reproduce exactly: `audit` names them, `fit` warns once each."""
-        causes = []
-        for name, count in self.repeated:
-            causes.append(("repeated", (
-                f"The model's train_step applies `self.{name}` {count} times per batch: "
-                "accumulation makes those updates from gradients taken at the weights "
-                "the window started from, where the large batch's step takes each after "
-                "the previous update.")))
-        for later, earlier in self.stale:
-            causes.append(("stale", (
-                f"The model's train_step computes the gradients it hands to "
-                f"`self.{later}` after applying `self.{earlier}`, from variables "
-                f"`self.{earlier}` updates (a GAN in keras.io's DCGAN order): on the large "
-                "batch they see that update; accumulated, they are taken at the weights "
-                "the window started from.")))
-        if len(self.optimizers) > 1 and not self.stale_known:
-            names = ", ".join(f"`self.{name}`" for name in self.optimizers)
-            causes.append(("optimizers", (
-                f"The model's train_step applies {len(self.optimizers)} optimizers per "
-                f"batch ({names}): where a later call's gradients depend on variables an "
-                "earlier call updates (a GAN's generator through its discriminator), the "
-                "large batch takes them after that update and accumulation at the "
-                "weights the window started from. On JAX and PyTorch gradaccum cannot "
-                "tell whether they do.")))
-        return causes
-
-
-class Accumulation(abc.ABC):
+class Accumulation(Adapter):
     """Gradient accumulation attached to a model that `fit` trains (its host): the
     user's own model (`gradaccum.accumulate`) or `wrap`'s `AccumulatingModel`.
 
@@ -108,11 +52,6 @@ class Accumulation(abc.ABC):
         options: the checked options (the backend's `Options`).
         layers: the model trained (the host itself, or `wrap`'s inner model).
     """
-
-    #: The backend's `Options` (a subclass of `gradaccum.core.options.Options`).
-    Options: ClassVar[type[CoreOptions] | None] = None
-    #: How messages name the backend ("TensorFlow", "JAX", "PyTorch").
-    backend_name: ClassVar[str] = ""
 
     def __init__(self, options, layers):
         self.options = options
@@ -155,15 +94,6 @@ class Accumulation(abc.ABC):
 
     # Where accumulate and wrap receive a model ------------------------------------
 
-    @classmethod
-    def check_model(cls, model) -> None:
-        """Checks a built model where `accumulate` or `wrap` receives it (nothing by default)."""
-        return None
-
-    #: Whether split mode runs a model's own `train_step` (TensorFlow); elsewhere the
-    #: step's batch is its micro-batch, and split mode runs Keras's default step.
-    splits_own_step = True
-
     def attach(self, host, own_step=None) -> None:
         """Attaches to `host`; `own_step` is the host's own `train_step` (bound), or
         None for Keras's default step."""
@@ -179,10 +109,6 @@ class Accumulation(abc.ABC):
         self.host = host
         self.own_train_step = own_step
 
-    @abc.abstractmethod
-    def detach(self) -> None:
-        """`disable`: nothing of the state stays in the host."""
-
     @property
     def micro_batch_size(self) -> int | None:
         """The micro-batch size of split mode: the one given, or the one `"auto"`
@@ -190,10 +116,6 @@ class Accumulation(abc.ABC):
         if self.auto_size is not None:
             return self.auto_size.chosen
         return self.options.micro_batch_size
-
-    def replicas(self) -> int:
-        """Replicas the host trains on (a tf.distribute strategy's)."""
-        return 1
 
     def evaluating(self):
         """The context `evaluate` runs in: its `steps` (`validation_steps` in `fit`)
@@ -222,13 +144,6 @@ class Accumulation(abc.ABC):
                 f"steps={steps}. Pass a multiple of {per_call}, leave `steps` out, or "
                 "compile with `steps_per_execution=1`."
             )
-
-    def building(self):
-        """The context a `fit` or `train_on_batch` runs in for Keras's trainer to
-        build an unbuilt model from its first batch before the train function is
-        made (the state needs the variables then): what the JAX and PyTorch trainers
-        always do; TensorFlow's defers the build into its traced step."""
-        return contextlib.nullcontext()
 
     def check_optimizers(self) -> None:
         """As a `fit` or `train_on_batch` starts: no optimizer of the host
@@ -261,10 +176,6 @@ class Accumulation(abc.ABC):
         if bool(flag.numpy()):
             self.end_of_data()
             flag.assign(False)
-
-    def after_train_on_batch(self, logs):
-        """`train_on_batch`'s logs, after the step's errors are raised."""
-        return logs
 
     # fit ------------------------------------------------------------------------------
 
@@ -321,10 +232,6 @@ class Accumulation(abc.ABC):
             warnings.warn("Accumulation is approximate for this model. "
                           + uniform_message(sizes), stacklevel=4)
 
-    def fit_failed(self) -> None:
-        """`fit` raised: what the backend drops with it."""
-        return None
-
     def fitting(self, hook):
         """The context `fit` runs in: the hook told the epoch's length as Keras's
         epoch iterator counts it, whatever callbacks `fit` was given (a caller's
@@ -335,53 +242,7 @@ class Accumulation(abc.ABC):
         """Batches per epoch of the running fit (None: unknown)."""
         return hook.epoch_length or (hook.params or {}).get("steps") or None
 
-    def batch_end_async_safe(self) -> bool:
-        """Whether the hook's batch end may run in Keras's worker thread, while the
-        next calls are dispatched (unless the backend must act on a call's result
-        before the next runs)."""
-        return True
-
-    def before_batch(self, hook) -> None:
-        """Before each compiled call of `fit`, in the fit's thread (the hook's
-        `on_train_batch_begin`)."""
-        return None
-
-    def epoch_began(self, hook, resume_skip: int) -> None:
-        """An epoch begins, its fields set (`resume_skip`: the micro-batches a
-        restored run skips first): where a backend counts the window on the host,
-        it starts from the state here."""
-        return None
-
-    def after_batch(self, hook, logs, deferred: bool = False) -> None:
-        """After each compiled call of `fit` (the hook's `on_train_batch_end`), and
-        with the epoch's logs at its end. `deferred`: in Keras's worker thread,
-        where nothing may touch the model (the fit's thread goes on)."""
-        return None
-
-    def synced(self, hook) -> None:
-        """Before the hook reads the state (JAX syncs the trainer's into it)."""
-        return None
-
-    @abc.abstractmethod
-    def make_train_function(self, make, force=False):
-        """The host's train function, made with Keras's `make` (its own
-        `make_train_function`) after the state."""
-
-    @abc.abstractmethod
-    def train_step(self, *args):
-        """The host's `train_step`: `(data)` on TensorFlow, `(state, data)` on JAX."""
-
-    @abc.abstractmethod
-    def end_of_data(self) -> None:
-        """The data ended: the open windows are flushed or dropped as `partial`
-        says (kept with `"carry"`); idempotent."""
-
     # The state ------------------------------------------------------------------------
-
-    @abc.abstractmethod
-    def ensure_state(self) -> None:
-        """Makes the state (before the train function is made), with any values
-        waiting for it."""
 
     def follow(self) -> Follower:
         """The followed layers (`core.moving_statistics`), found in the built model
@@ -480,29 +341,6 @@ class Accumulation(abc.ABC):
         if unknown:
             warnings.warn(overwrite.unknown_rule_message(unknown), stacklevel=3)
 
-    @abc.abstractmethod
-    def drop_state(self) -> None:
-        """Drops the state (a new compile: the next training makes it again)."""
-
-    @abc.abstractmethod
-    def fit_field(self, name: str):
-        """A field of the fit record as a variable (`numpy()`, `assign`)."""
-
-    @abc.abstractmethod
-    def saved_variables(self) -> dict:
-        """Every variable of the state a save keeps, under its stable name
-        (`numpy()`, `assign`, `shape`)."""
-
-    @abc.abstractmethod
-    def windows(self) -> list:
-        """Each window's accumulated variables and the prefix of its names:
-        `(prefix, variables, vectors)` (`vectors`: names holding one entry per
-        variable)."""
-
-    @abc.abstractmethod
-    def window_values(self, name: str) -> list:
-        """A window record's field `name` in each window (Python ints)."""
-
     def warn_appliers_unknown(self) -> None:
         """End of the data for a model's own step that has not run since its window
         was restored: which optimizers apply it is unknown, so the window stays."""
@@ -574,12 +412,6 @@ class Accumulation(abc.ABC):
 
     # Logs and warnings ------------------------------------------------------------------
 
-    @abc.abstractmethod
-    def last_window(self) -> tuple:
-        """`(iterations, micro_batches, weight)` of the window the logs report: the
-        update count of the optimizer `updates` counts (the model's, or the first
-        its own step hands gradients to), what its last update's window held."""
-
     def skipped(self) -> int:
         """Micro-batches skipped for a non-finite gradient: every optimizer's window
         saw the same micro-batches, the one that skipped most counts."""
@@ -604,7 +436,7 @@ class Accumulation(abc.ABC):
             logs["updates"] = float(iterations)
         logs["window_micro_batches"] = float(micro_batches)
         logs["window_weight"] = float(weight)
-        if tr.skips_possible(self.policy, self.loss_scaled()):
+        if fit_logs.skips_possible(self.policy, self.loss_scaled()):
             logs["skipped"] = float(self.skipped())
         search = self.auto_size
         if search is not None and search.chosen is not None:
@@ -613,11 +445,6 @@ class Accumulation(abc.ABC):
         if privacy is not None and privacy.logs_epsilon:
             logs["epsilon"] = spent(self.options.privacy, self.privacy_record())
 
-    def repeat_warning(self) -> str | None:
-        """What fit warns about once per fit when the model's step applies an
-        optimizer several times per batch (None: it does not)."""
-        return None
-
     def warn(self) -> None:
         """The epoch's warnings, each once: inexact weighting, skipped micro-batches
         (not under loss scaling, which skips by design), a repeated optimizer."""
@@ -625,7 +452,7 @@ class Accumulation(abc.ABC):
             return
         if self.inexact() and "inexact" not in self._warned:
             self._warned.add("inexact")
-            tr.warn_inexact(stacklevel=4)
+            messages.warn_inexact(stacklevel=4)
         if (self.float8_divided and "unequal" not in self._warned
                 and bool(self.fit_field("unequal").numpy())):
             self._warned.add("unequal")
@@ -681,16 +508,3 @@ class Accumulation(abc.ABC):
         epochs.size_chosen(self)
 
     # The audit and privacy ----------------------------------------------------------------
-
-    @abc.abstractmethod
-    def window_gradients(self) -> list:
-        """The open windows' combined gradient: `(variable, value or None)` per
-        variable of each window (`gradaccum.audit`)."""
-
-    @abc.abstractmethod
-    def findings(self) -> Findings:
-        """What the accumulation saw (`Findings`)."""
-
-    @abc.abstractmethod
-    def privacy_record(self) -> tuple[int, float]:
-        """With privacy: the updates made and the most examples a window held."""

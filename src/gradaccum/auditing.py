@@ -22,9 +22,9 @@ import numpy as np
 
 from gradaccum import _keras_common as kc
 from gradaccum import added_losses
-from gradaccum.adapter import Findings, accumulation_of
-from gradaccum.core import overwrite
-from gradaccum.core import transitions as tr
+from gradaccum.adapter import accumulation_of
+from gradaccum.backend_interface import Findings
+from gradaccum.core import messages, overwrite
 from gradaccum.core.hints import Integer, Weighting
 from gradaccum.core.moving_statistics import unfollowable_reason, window_aware
 from gradaccum.core.screening import skipped_message
@@ -406,7 +406,7 @@ def _causes(model: keras.Model, weighting: Weighting, sizes: list[int],
     if findings.get("skipped"):
         causes.append(skipped_message(findings["skipped"]))
     if findings.get("inexact"):
-        causes.append(tr.INEXACT)
+        causes.append(messages.INEXACT)
     if weighting == "uniform" and (len(set(sizes)) > 1 or inexact):
         causes.append(uniform_message(sizes))
     return causes

@@ -13,13 +13,14 @@ from __future__ import annotations
 import inspect
 import textwrap
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import keras
 
 from gradaccum.core.combine import REDUCTIONS
 from gradaccum.core.hints import DType, Nonfinite, Steps, Weighting
 from gradaccum.core.moving_statistics import MODES as MOVING_MODES
+from gradaccum.core.policy import Policy
 from gradaccum.core.privacy import PRIVACY_FIELDS, Privacy, check_privacy
 from gradaccum.core.privacy import check_options as check_private_options
 from gradaccum.core.validation import (
@@ -30,9 +31,6 @@ from gradaccum.core.validation import (
     check_window_options,
 )
 from gradaccum.core.window import PARTIALS, WindowSpec
-
-if TYPE_CHECKING:  # pragma: no cover
-    from gradaccum.core.transitions import Policy
 
 _Function = TypeVar("_Function", bound=Callable[..., Any])
 
@@ -196,9 +194,7 @@ class Options:
             check_private_options(self)
 
     def policy(self) -> Policy:
-        """The settings the state machine follows (`core.transitions.Policy`)."""
-        from gradaccum.core.transitions import Policy
-
+        """The settings the state machine follows (`core.policy.Policy`)."""
         return Policy(self.window, self.reduction, self.nonfinite, self.partial,
                       self.weighting)
 

@@ -21,10 +21,11 @@ import numpy as np
 from gradaccum.backends.jax.own_step import Applier
 from gradaccum.backends.jax.record import Carry, LossScaling, WindowRecord
 from gradaccum.backends.jax.state import Packed
-from gradaccum.core import overwrite
+from gradaccum.core import messages, overwrite
 from gradaccum.core import transitions as tr
 from gradaccum.core.combine import REDUCTIONS
 from gradaccum.core.hints import DType, Nonfinite, Real, Steps
+from gradaccum.core.policy import Policy
 from gradaccum.core.state import ERROR_FIELDS, FIT, WINDOW, accumulator_name
 from gradaccum.core.validation import (
     check_choice,
@@ -134,7 +135,7 @@ class GradientAccumulator(Packed):
         self.reduction = check_choice("reduction", reduction, REDUCTIONS)
         self.accumulator_dtype = check_accumulator_dtype(accumulator_dtype)
         self.nonfinite = check_nonfinite(nonfinite)
-        self.policy = tr.Policy(self._rule, self.reduction, self.nonfinite)
+        self.policy = Policy(self._rule, self.reduction, self.nonfinite)
         self.target_variables = tuple(variables)
         weight_dtype = "float64" if self.accumulator_dtype == "float64" else "float32"
         # `received`: a gradient may be missing in some micro-batches only.
@@ -229,7 +230,7 @@ class GradientAccumulator(Packed):
         window = self._unpacked(accumulator_variables)
         error = int(window["error"])
         if error:
-            message = tr.error_message(error, int(window["error_micro_batch"]),
+            message = messages.error_message(error, int(window["error_micro_batch"]),
                                        int(window["error_at"]))
             raise (FloatingPointError if error == 1 else ValueError)(message)
 

@@ -19,13 +19,14 @@ import jax.numpy as jnp
 
 from gradaccum import _keras_common as kc
 from gradaccum import adapter
-from gradaccum.adapter import Findings
+from gradaccum.backend_interface import Findings
 from gradaccum.backends.jax import phases, retry
 from gradaccum.backends.jax.own_step import Applier
 from gradaccum.backends.jax.phases import Phases
 from gradaccum.backends.jax.record import Carry, FitRecord
 from gradaccum.backends.jax.state import AccumulationState, layouts_of, window_prefix
 from gradaccum.backends.jax.step import ERROR_KEY, TrainStep
+from gradaccum.core import messages
 from gradaccum.core import transitions as tr
 from gradaccum.core.host_window import HostWindow
 from gradaccum.core.options import Options as CoreOptions
@@ -430,7 +431,7 @@ class Accumulation(adapter.Accumulation):
             return
         at = int(state.error_at.numpy())
         state.error.assign(0)
-        message = tr.error_message(error, int(state.error_micro_batch.numpy()), at)
+        message = messages.error_message(error, int(state.error_micro_batch.numpy()), at)
         if error == AccumulationState.ERRORS["nonfinite"]:
             raise FloatingPointError(message)
         if error == AccumulationState.ERRORS["miscount"]:

@@ -32,6 +32,7 @@ import keras
 from gradaccum import _keras_common as kc
 from gradaccum.backends.jax.record import FitRecord, WindowRecord, where_accepted
 from gradaccum.backends.jax.state import window_prefix
+from gradaccum.core import fit_logs
 from gradaccum.core import transitions as tr
 from gradaccum.core.validation import check_optimizer
 
@@ -126,7 +127,7 @@ def run(step, carry, data) -> dict:
     for i, value in zip(theirs, metrics_out):
         carry.metrics[i] = value
     logs = dict(logs)
-    if tr.tracks_skips(step.policy, step.loss_scaled):
+    if fit_logs.tracks_skips(step.policy, step.loss_scaled):
         # The step's own trackers leave out a micro-batch any of its optimizers
         # skipped, as Keras's step's do.
         used = jnp.all(jnp.stack(router.accepted))
@@ -135,7 +136,7 @@ def run(step, carry, data) -> dict:
         carry.metrics = where_accepted(used, carry.metrics, entry_metrics)
         trackers, _ = step.stateless_metrics(carry.metrics, None, None,
                                              model.get_metrics_result)
-        logs = tr.kept_logs(used, logs, trackers, moved)
+        logs = fit_logs.kept_logs(used, logs, trackers, moved)
     return logs
 
 

@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from gradaccum import _keras_common as kc
+from gradaccum.backend_interface import Record
 from gradaccum.backends.jax import privacy
 from gradaccum.core.state import ERRORS, accumulator_name
-from gradaccum.core.transitions import Record
 
 
 def all_finite(gradients):

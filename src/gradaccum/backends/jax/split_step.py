@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import keras
 
 from gradaccum.backends.jax.record import Carry, FitRecord, where_accepted
+from gradaccum.core import fit_logs, loss_scaling
 from gradaccum.core import transitions as tr
 from gradaccum.core.state import ERROR_FIELDS, accumulator_name
 from gradaccum.core.validation import split_batch_size as batch_size
@@ -48,7 +49,7 @@ def split_batch(step, carry: Carry, data, size):
     fit = FitRecord(carry)
     fit.add("epoch_step", 1)
     loss_scale = step.growth_steps if step.loss_scaled else None
-    tracks_skips = tr.tracks_skips(step.policy, step.loss_scaled)
+    tracks_skips = fit_logs.tracks_skips(step.policy, step.loss_scaled)
 
     def run(scanned, micro):
         non_trainable, optimizer_variables, metrics_variables, fields, weighted, weights = scanned
@@ -75,7 +76,7 @@ def split_batch(step, carry: Carry, data, size):
             lambda: step.model.compute_metrics(x, y, y_pred, sample_weight),
         )
         # The batch's loss weighs each micro-batch as the loss tracker would.
-        weight = tr.logged_weight(step.policy, x, weight).astype("float32")
+        weight = fit_logs.logged_weight(step.policy, x, weight).astype("float32")
         loss = loss.astype("float32")
         if tracks_skips:
             # A skipped micro-batch's loss and metrics join nothing.
@@ -109,7 +110,7 @@ def split_batch(step, carry: Carry, data, size):
         # One finite step of the scale's count per batch, as Keras counts them,
         # when no micro-batch of the batch overflowed.
         counter, scale = record.loss_scale()
-        grown = tr.grown_by(counter, scale, 1, step.growth_steps)
+        grown = loss_scaling.grown_by(counter, scale, 1, step.growth_steps)
         finite = record.get("skipped") == entry["skipped"]
         record.set_loss_scale(jnp.where(finite, grown[0], counter),
                               jnp.where(finite, grown[1], scale))

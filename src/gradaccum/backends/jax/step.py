@@ -38,7 +38,7 @@ from gradaccum.backends.jax.record import (
     where_accepted,
 )
 from gradaccum.backends.jax.state import AccumulationState, window_prefix
-from gradaccum.core import overwrite
+from gradaccum.core import fit_logs, overwrite
 from gradaccum.core import transitions as tr
 from gradaccum.core.moving_statistics import Follower
 
@@ -173,10 +173,10 @@ class TrainStep:
         carry.non_trainable = where_accepted(accepted, carry.non_trainable, before)
         self.follow(carry, before, self.forward_state, record.outcome)
         logs, carry.metrics = self.stateless_metrics(
-            self.forward_metrics, loss, tr.logged_weight(self.policy, x, weight),
+            self.forward_metrics, loss, fit_logs.logged_weight(self.policy, x, weight),
             lambda: self.model.compute_metrics(x, y, y_pred, sample_weight),
         )
-        if tr.tracks_skips(self.policy, self.loss_scaled):
+        if fit_logs.tracks_skips(self.policy, self.loss_scaled):
             # A skipped micro-batch leaves the loss tracker and the metrics: the
             # logs (History, callbacks such as TerminateOnNaN) are the used ones'.
             carry.metrics = where_accepted(accepted, carry.metrics, entry_metrics)
@@ -331,12 +331,12 @@ class TrainStep:
         applier = self.appliers[index]
         record = self.record(carry, index, applier)
         skipped = None
-        if tr.skips_possible(self.policy, self.loss_scaled):
+        if fit_logs.skips_possible(self.policy, self.loss_scaled):
             # Every optimizer's window saw the same micro-batches: the one that
             # skipped most counts.
             counts = [self.record(carry, j).get("skipped") for j in self.appliers]
             skipped = counts[0] if len(counts) == 1 else jnp.max(jnp.stack(counts))
-        logs = tr.counters(record, carry.optimizer[applier.iterations_slot()], skipped)
+        logs = fit_logs.counters(record, carry.optimizer[applier.iterations_slot()], skipped)
         if self.policy.raises:
             logs[ERROR_KEY] = carry.fields["error"]
         return logs

@@ -37,6 +37,7 @@ from gradaccum.backends.tensorflow.window import WindowRule  # noqa: E402
 from gradaccum.core import transitions as tr  # noqa: E402
 from gradaccum.core.combine import REDUCTIONS, combine  # noqa: E402
 from gradaccum.core.hints import DType, Nonfinite, Real, Steps  # noqa: E402
+from gradaccum.core.policy import Policy  # noqa: E402
 from gradaccum.core.screening import warn_skipped  # noqa: E402
 from gradaccum.core.validation import (  # noqa: E402
     check_choice,
@@ -192,7 +193,7 @@ class GradientAccumulator(tf.Module):
         self._accumulator_dtype = check_accumulator_dtype(accumulator_dtype)
         self._nonfinite = check_nonfinite(nonfinite)
         # What the state machine follows (`gradaccum.core.transitions`).
-        self._policy = Untracked(tr.Policy(self._rule, self._reduction, self._nonfinite))
+        self._policy = Untracked(Policy(self._rule, self._reduction, self._nonfinite))
         self._warned_skip = False
         # The LossScaleOptimizer whose scale the accumulated gradients carried.
         self._loss_scaling = Untracked(None)
@@ -389,7 +390,7 @@ class GradientAccumulator(tf.Module):
 
     def _run(self, gradients: Sequence[Any], weight: Any, *, weighted: bool,
              loss_scale_optimizer: Any = None, optimizer: Any = None,
-             policy: tr.Policy | None = None, end: Any = None, fit: Any = None,
+             policy: Policy | None = None, end: Any = None, fit: Any = None,
              direct: bool = False, record: Any = None, unit: Any = None) -> Any:
         """One micro-batch through the state machine (`core.transitions.micro_batch`):
         accumulated, and where `optimizer` is given, the window closed when it is

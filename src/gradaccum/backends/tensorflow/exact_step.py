@@ -11,6 +11,7 @@ import tensorflow as tf
 from gradaccum.backends.tensorflow import batch_norm, following, privacy
 from gradaccum.backends.tensorflow import keras_compat as kc
 from gradaccum.backends.tensorflow import logs as _logs
+from gradaccum.core import fit_logs
 from gradaccum.core import transitions as tr
 
 
@@ -36,7 +37,7 @@ def exact_step(accumulation, data):
 
     def update():
         kc.loss_tracker(host).update_state(
-            loss, sample_weight=tr.logged_weight(accumulation.policy, x, weight))
+            loss, sample_weight=fit_logs.logged_weight(accumulation.policy, x, weight))
         return host.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     return _logs.tracked(accumulation, update, lambda: accepted)

@@ -28,7 +28,7 @@ import numpy as np
 import tensorflow as tf
 
 from gradaccum import adapter
-from gradaccum.adapter import Findings
+from gradaccum.backend_interface import Findings
 from gradaccum.backends.tensorflow import following, resume
 from gradaccum.backends.tensorflow import keras_compat as kc
 from gradaccum.backends.tensorflow import logs as _logs

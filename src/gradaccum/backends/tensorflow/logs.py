@@ -20,7 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from gradaccum.backends.tensorflow import keras_compat as kc
-from gradaccum.core import transitions as tr
+from gradaccum.core import fit_logs
 
 
 def tracked(accumulation, update, accepted, own=False):
@@ -31,10 +31,10 @@ def tracked(accumulation, update, accepted, own=False):
     (`core.transitions.tracks_skips`): History, the progress bar and callbacks
     such as TerminateOnNaN see the micro-batches that were used. Returns the logs,
     each entry that is a tracker's result read after the skip was undone
-    (`core.transitions.kept_logs`; by value too where `own`: a model's own
+    (`core.fit_logs.kept_logs`; by value too where `own`: a model's own
     step)."""
     host = accumulation.host
-    if not tr.tracks_skips(accumulation.policy, kc.is_loss_scale_optimizer(host.optimizer)):
+    if not fit_logs.tracks_skips(accumulation.policy, kc.is_loss_scale_optimizer(host.optimizer)):
         return update()
     variables = list(host.metrics_variables)
     before = [tf.identity(v.value) for v in variables]
@@ -46,7 +46,7 @@ def tracked(accumulation, update, accepted, own=False):
     with tf.control_dependencies(tf.nest.flatten(moved)):
         for variable, old in zip(variables, before):
             variable.assign(tf.where(used, variable.value, old))
-    return tr.kept_logs(used, logs, host.get_metrics_result(), moved, by_value=own)
+    return fit_logs.kept_logs(used, logs, host.get_metrics_result(), moved, by_value=own)
 
 
 def updating_optimizer(accumulation):
@@ -149,7 +149,7 @@ def with_counters(accumulation, logs):
     packed.update(
         {key: tf.cast(value, tf.float32) for key, value in last_window(accumulation).items()}
     )
-    if tr.skips_possible(accumulation.policy, accumulation.loss_scaled()):
+    if fit_logs.skips_possible(accumulation.policy, accumulation.loss_scaled()):
         # Every optimizer's window saw the same micro-batches: the one that skipped
         # most counts.
         counts = [tf.cast(acc.skipped, tf.float32) for acc in accumulation.state.accumulators()]

@@ -24,13 +24,14 @@ import contextlib
 
 import tensorflow as tf
 
+from gradaccum.backend_interface import Record
 from gradaccum.backends.tensorflow import combine as _combine
 from gradaccum.backends.tensorflow import keras_compat as kc
 from gradaccum.backends.tensorflow import screening
 from gradaccum.backends.tensorflow.branching import cond_kept_whole
-from gradaccum.core import overwrite
-from gradaccum.core import transitions as tr
+from gradaccum.core import messages, overwrite
 from gradaccum.core.state import RESET
+from gradaccum.core.window import SCHEDULE_RULE
 
 
 def _static(value):
@@ -40,7 +41,7 @@ def _static(value):
     return tf.get_static_value(value)
 
 
-class ModuleRecord(tr.Record):
+class ModuleRecord(Record):
     """A record whose fields are a `tf.Module`'s variables, by attribute name (an
     attribute that is None is a field the record does not keep).
 
@@ -218,7 +219,7 @@ class VariableRecord(ModuleRecord):
         state = self.state
         if tf.executing_eagerly():
             if bool(error):
-                message = tr.error_message(
+                message = messages.error_message(
                     code, int(state.micro_batches) + 1, int(at),
                     None if value is None else int(value),
                 )
@@ -252,14 +253,14 @@ class VariableRecord(ModuleRecord):
 
 def error_parts(code: str, micro_batch, at, value=None) -> list:
     """A graph assertion's message for an error of `code`: the words of
-    `core.transitions.error_message` around the tensors."""
+    `core.messages.error_message` around the tensors."""
     if code == "nonfinite":
         words = screening.RAISE_WORDS
         return [words[0], micro_batch, words[1], at, words[2]]
     if code == "negative_weight":
-        around = tr.error_message("negative_weight", at="\x00").split("\x00")
+        around = messages.error_message("negative_weight", at="\x00").split("\x00")
         return [around[0], at, around[1]]
-    return [f"{tr.SCHEDULE_RULE} Received:", value, "for update_index=", at]
+    return [f"{SCHEDULE_RULE} Received:", value, "for update_index=", at]
 
 
 # Fields a window's close empties, in TensorFlow's record (its own names).

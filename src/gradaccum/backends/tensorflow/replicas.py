@@ -18,6 +18,7 @@ from gradaccum.backends.tensorflow import batch_norm
 from gradaccum.backends.tensorflow import distributed as dist
 from gradaccum.backends.tensorflow import keras_compat as kc
 from gradaccum.backends.tensorflow.record import VariableRecord
+from gradaccum.core import loss_scaling
 from gradaccum.core import transitions as tr
 
 
@@ -196,7 +197,8 @@ def settle_loss_scale(optimizer, overflowed, micro_batches) -> None:
     gradient; else the window's `micro_batches` count as that many finite steps."""
     counter = tf.convert_to_tensor(optimizer.step_counter)
     scale = tf.convert_to_tensor(optimizer.dynamic_scale)
-    grown = tr.grown_by(counter, scale, micro_batches, int(optimizer.dynamic_growth_steps))
-    backed = tr.backed_off(counter, scale)
+    grown = loss_scaling.grown_by(counter, scale, micro_batches,
+                                  int(optimizer.dynamic_growth_steps))
+    backed = loss_scaling.backed_off(counter, scale)
     optimizer.step_counter.assign(tf.where(overflowed, backed[0], grown[0]))
     optimizer.dynamic_scale.assign(tf.where(overflowed, backed[1], grown[1]))

@@ -11,7 +11,7 @@ from gradaccum.backends.tensorflow import exact_step, following
 from gradaccum.backends.tensorflow import keras_compat as kc
 from gradaccum.backends.tensorflow import logs as _logs
 from gradaccum.backends.tensorflow import split as _split
-from gradaccum.core import transitions as tr
+from gradaccum.core import fit_logs
 
 
 def split_step(accumulation, data):
@@ -39,7 +39,7 @@ def split_step(accumulation, data):
         # (Where skips leave the trackers, a batch whose every micro-batch was
         # skipped weighs nothing.)
         batch_weight = tf.cast(_split.batch_size(data), tf.float32)
-        if tr.tracks_skips(accumulation.policy, kc.is_loss_scale_optimizer(host.optimizer)):
+        if fit_logs.tracks_skips(accumulation.policy, kc.is_loss_scale_optimizer(host.optimizer)):
             batch_weight = tf.where(weights > 0, batch_weight, 0.0)
         kc.loss_tracker(host).update_state(tf.math.divide_no_nan(weighted, weights),
                                            sample_weight=batch_weight)
@@ -79,8 +79,8 @@ def _exact_micro_batch(accumulation, micro, weighted, weights, batch, size):
     _logs.tracked(accumulation, lambda: accumulation.host.compute_metrics(
         x, y, y_pred, sample_weight=sample_weight), lambda: accepted)
     # The batch's loss weighs each micro-batch as the loss tracker would.
-    weight = tf.cast(tr.logged_weight(accumulation.policy, x, weight), tf.float32)
-    if tr.tracks_skips(accumulation.policy,
+    weight = tf.cast(fit_logs.logged_weight(accumulation.policy, x, weight), tf.float32)
+    if fit_logs.tracks_skips(accumulation.policy,
                        kc.is_loss_scale_optimizer(accumulation.host.optimizer)):
         # A skipped micro-batch's loss joins nothing.
         loss = tf.where(accepted, tf.cast(loss, tf.float32), 0.0)

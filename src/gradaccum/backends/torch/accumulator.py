@@ -24,6 +24,7 @@ from gradaccum.backends.torch.state import TorchState
 from gradaccum.core import transitions as tr
 from gradaccum.core.combine import REDUCTIONS, combine
 from gradaccum.core.hints import DType, Nonfinite, Real, Steps
+from gradaccum.core.policy import Policy
 from gradaccum.core.screening import warn_skipped
 from gradaccum.core.validation import (
     accumulator_dtype_name,
@@ -119,7 +120,7 @@ class GradientAccumulator:
         self.reduction = check_choice("reduction", reduction, REDUCTIONS)
         self.accumulator_dtype = accumulator_dtype_name(accumulator_dtype)
         self.nonfinite = check_nonfinite(nonfinite)
-        self.policy = tr.Policy(self._rule, self.reduction, self.nonfinite)
+        self.policy = Policy(self._rule, self.reduction, self.nonfinite)
         self.target_variables = tuple(variables)
         self.state = TorchState(variables, self.accumulator_dtype, fit=False, name=name)
         group = default_group(process_group)

@@ -16,7 +16,7 @@ import torch
 
 from gradaccum import _keras_common as kc
 from gradaccum import adapter
-from gradaccum.adapter import Findings
+from gradaccum.backend_interface import Findings
 from gradaccum.backends.torch.record import tensor
 from gradaccum.backends.torch.state import TorchState, window_prefix
 from gradaccum.backends.torch.step import TrainStep

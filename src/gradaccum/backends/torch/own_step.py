@@ -20,6 +20,7 @@ import torch
 
 from gradaccum import _keras_common as kc
 from gradaccum.backends.torch.record import restore, snapshot, truth
+from gradaccum.core import fit_logs
 from gradaccum.core import transitions as tr
 from gradaccum.core.validation import check_optimizer
 
@@ -30,7 +31,7 @@ def run(step, data) -> dict:
     fit = step.fit_record()
     fit.add("epoch_step", 1)
     step_name = f"{type(model).__name__}.train_step"
-    tracks = tr.tracks_skips(step.policy, step.loss_scaled)
+    tracks = fit_logs.tracks_skips(step.policy, step.loss_scaled)
     entry_metrics = snapshot(model.metrics_variables) if tracks else None
     entry_state = step.forward_state.take() if tracks else None
     start = step.moving_start()
@@ -59,7 +60,7 @@ def run(step, data) -> dict:
         moved = model.get_metrics_result()
         restore(model.metrics_variables, entry_metrics)
         trackers = model.get_metrics_result()
-        logs = tr.kept_logs(False, logs, trackers, moved)
+        logs = fit_logs.kept_logs(False, logs, trackers, moved)
     return logs
 
 

@@ -19,9 +19,9 @@ import functools
 import torch
 
 from gradaccum import _keras_common as kc
+from gradaccum.backend_interface import Record
 from gradaccum.backends.torch.state import window_prefix
-from gradaccum.core import overwrite
-from gradaccum.core import transitions as tr
+from gradaccum.core import messages, overwrite
 from gradaccum.core.state import accumulator_name
 
 
@@ -82,7 +82,7 @@ def all_finite(gradients):
     return torch.tensor(all(bool(torch.isfinite(g).all()) for g in present))
 
 
-class FieldRecord(tr.Record):
+class FieldRecord(Record):
     """A record whose fields are a `TorchState`'s variables (`prefix` + name).
 
     Args:
@@ -130,7 +130,7 @@ class FieldRecord(tr.Record):
         if not truth(error):
             return
         micro_batch = int(self.state.variables[self.prefix + "micro_batches"].value) + 1
-        message = tr.error_message(code, micro_batch, int(tensor(at)),
+        message = messages.error_message(code, micro_batch, int(tensor(at)),
                                    None if value is None else int(tensor(value)))
         raise (FloatingPointError if code == "nonfinite" else ValueError)(message)
 

@@ -41,6 +41,7 @@ from gradaccum.backends.torch.record import (
     truth,
 )
 from gradaccum.backends.torch.state import window_prefix
+from gradaccum.core import fit_logs, loss_scaling
 from gradaccum.core import transitions as tr
 from gradaccum.core.state import LARGEST_KEPT
 from gradaccum.core.validation import split_batch_size as batch_size
@@ -200,7 +201,7 @@ class TrainStep:
         fit.add("epoch_step", 1)
         record = self.record()
         model = self.model
-        tracks = tr.tracks_skips(self.policy, self.loss_scaled)
+        tracks = fit_logs.tracks_skips(self.policy, self.loss_scaled)
         # (The compiled loss updates its per-output trackers, and a layer may update
         # a metric in its call, before the screen: put back if it skips.)
         entry_metrics = snapshot(model.metrics_variables) if tracks else None
@@ -225,7 +226,7 @@ class TrainStep:
             restore(model.metrics_variables, entry_metrics)
             return model.get_metrics_result()
         kc.loss_tracker(model).update_state(
-            loss.detach(), sample_weight=tr.logged_weight(self.policy, x, weight))
+            loss.detach(), sample_weight=fit_logs.logged_weight(self.policy, x, weight))
         return model.compute_metrics(x, y, y_pred, sample_weight)
 
     @eager(recursive=False)
@@ -348,7 +349,7 @@ class TrainStep:
         model = self.model
         fit = self.fit_record()
         record = self.record()
-        tracks = tr.tracks_skips(self.policy, self.loss_scaled)
+        tracks = fit_logs.tracks_skips(self.policy, self.loss_scaled)
         skipped_before = int(record.get("skipped"))
         weighted_loss, weights = 0.0, 0.0
         for start in range(0, batch, size):
@@ -376,7 +377,7 @@ class TrainStep:
                 continue
             model.compute_metrics(x, y, y_pred, sample_weight)
             # The batch's loss weighs each micro-batch as the loss tracker would.
-            logged = float(tr.logged_weight(self.policy, x, weight))
+            logged = float(fit_logs.logged_weight(self.policy, x, weight))
             weighted_loss += float(loss.detach()) * logged
             weights += logged
         fit.add("epoch_step", 1)
@@ -385,7 +386,7 @@ class TrainStep:
             # when no micro-batch of the batch overflowed.
             counter, scale = record.loss_scale()
             if int(record.get("skipped")) == skipped_before:
-                counter, scale = tr.grown_by(counter, scale, 1, self.growth_steps)
+                counter, scale = loss_scaling.grown_by(counter, scale, 1, self.growth_steps)
                 record.set_loss_scale(counter, scale)
         # (An out-of-memory error from here on is the update's: "auto" cannot retry it.)
         self.applying = True
@@ -452,7 +453,7 @@ class TrainStep:
             "window_micro_batches": named[prefix + "last_window_micro_batches"].value.float(),
             "window_weight": named[prefix + "last_window_weight"].value.float(),
         }
-        if tr.skips_possible(self.policy, self.loss_scaled):
+        if fit_logs.skips_possible(self.policy, self.loss_scaled):
             # Every optimizer's window saw the same micro-batches: the one that
             # skipped most counts.
             counts = [named[window_prefix(j) + "skipped"].value
