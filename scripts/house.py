@@ -1,6 +1,7 @@
 """The house of gradaccum, read from its code: each module's imports of the package,
 the floor each module stands on, and what breaks the plan (an import circle, an
-import that climbs to a higher floor).
+import that climbs to a higher floor, a module over 600 lines, a class over 300
+lines of code).
 
     python scripts/house.py            the floors and their modules, and any fault
     python scripts/house.py --check    exits 1 on a fault (the test suite runs it)
@@ -146,13 +147,52 @@ def climbs(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
                   if b != "gradaccum" and floor_of(b) > floor_of(a))
 
 
+# Sizes a reader can hold.
+MODULE_LINES = 600
+CLASS_CODE_LINES = 300
+
+
+def code_lines(source: str, node: ast.AST) -> int:
+    """Lines of `node` that hold code: not blank, not a comment, not a docstring."""
+    docstrings: set[int] = set()
+    for inner in ast.walk(node):
+        body = getattr(inner, "body", None)
+        if (isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                and body and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            docstrings.update(range(body[0].lineno, body[0].end_lineno + 1))
+    lines = source.splitlines()[node.lineno - 1:node.end_lineno]
+    return sum(1 for number, line in enumerate(lines, start=node.lineno)
+               if line.strip() and not line.strip().startswith("#")
+               and number not in docstrings)
+
+
+def oversized(known: dict[str, pathlib.Path]) -> list[str]:
+    """Modules over `MODULE_LINES` lines and classes over `CLASS_CODE_LINES` lines
+    of code."""
+    found = []
+    for name, path in known.items():
+        source = path.read_text()
+        if len(source.splitlines()) > MODULE_LINES:
+            found.append(f"too long: {name} has {len(source.splitlines())} lines "
+                         f"(at most {MODULE_LINES})")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef):
+                count = code_lines(source, node)
+                if count > CLASS_CODE_LINES:
+                    found.append(f"too long: class {name}.{node.name} has {count} lines "
+                                 f"of code (at most {CLASS_CODE_LINES})")
+    return found
+
+
 def faults(package: pathlib.Path = PACKAGE) -> list[str]:
     known = modules(package)
     edges = imports(known)
     lines = [f"import circle: {' <-> '.join(group)}" for group in circles(edges)]
     lines += [f"climbs: {a} ({FLOORS[floor_of(a)][0]}) imports {b} "
               f"({FLOORS[floor_of(b)][0]})" for a, b in climbs(edges)]
-    return lines
+    return lines + oversized(known)
 
 
 def script_circles(folder: pathlib.Path) -> list[list[str]]:
@@ -274,7 +314,7 @@ def main(argv=None) -> int:
     for line in found:
         print(line)
     if not found:
-        print("No import circle; no import climbs a floor.")
+        print("No import circle; no import climbs a floor; no module or class too long.")
     return 1 if (found and args.check) else 0
 
 

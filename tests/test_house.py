@@ -1,6 +1,7 @@
 """The package's floors hold (scripts/house.py): no import circle anywhere in
-src/gradaccum or benchmarks/, lazy and TYPE_CHECKING imports included, and no module
-imports a module of a higher floor (core/ imports nothing of gradaccum outside it)."""
+src/gradaccum or benchmarks/, lazy and TYPE_CHECKING imports included, no module
+imports a module of a higher floor (core/ imports nothing of gradaccum outside it),
+and no module is over 600 lines nor any class over 300 lines of code."""
 
 from __future__ import annotations
 
@@ -76,3 +77,17 @@ def test_the_architecture_pages_walk_names_functions_that_exist():
     assert len(stops) >= 12
     for path, name in stops:
         assert _defines(ROOT / "src" / "gradaccum" / path, name), f"{path} {name}"
+
+
+def test_a_long_module_and_a_long_class_are_found(tmp_path):
+    body = "\n".join(f"    x{i} = {i}" for i in range(301))
+    package = _package(tmp_path, {
+        "__init__.py": "",
+        "core/__init__.py": "",
+        "core/long.py": "# comment\n" * 601,
+        "core/big.py": f'class Big:\n    """Doc."""\n{body}\n',
+    })
+    found = house.faults(package)
+    assert "too long: gradaccum.core.long has 601 lines (at most 600)" in found
+    assert ("too long: class gradaccum.core.big.Big has 302 lines of code "
+            "(at most 300)") in found

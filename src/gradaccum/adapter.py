@@ -18,8 +18,8 @@ from __future__ import annotations
 import warnings
 
 from gradaccum import _keras_common as kc
-from gradaccum import added_losses, epochs, saving
-from gradaccum.backend_interface import Adapter, Findings  # noqa: F401 (Findings re-exported)
+from gradaccum import epochs, saving
+from gradaccum.backend_interface import Adapter
 from gradaccum.core import fit_logs, messages, moving_statistics, overwrite
 from gradaccum.core.auto_size import AutoSize
 from gradaccum.core.moving_statistics import Follower
@@ -29,7 +29,7 @@ from gradaccum.core.privacy import spent
 from gradaccum.core.screening import warn_skipped
 from gradaccum.core.validation import check_optimizer
 from gradaccum.exact_epochs import observing_epochs
-from gradaccum.weighting import NormalizerLog, micro_batch_sizes, uniform_message
+from gradaccum.weighting import NormalizerLog
 
 # The instance attribute that holds a model's accumulation (`accumulate` or `wrap`).
 ATTRIBUTE = "_gradaccum_accumulation"
@@ -184,8 +184,8 @@ class Accumulation(Adapter):
         check_private_fit(self.options, x, batch_size)
         self.check_optimizers()
         self.close_outside_fit()
-        x = self.warn_added_losses(x)
-        self.warn_uniform(x, batch_size, kwargs)
+        x = epochs.warn_added_losses(self, x)
+        epochs.warn_uniform(self, x, batch_size, kwargs)
         self.verbose = verbose
         self._warned.discard("repeated")
         hook = epochs.EpochHook(self)
@@ -200,37 +200,6 @@ class Accumulation(Adapter):
             raise
         epochs.after_fit(self)
         return history
-
-    def warn_added_losses(self, x):
-        """Before a model's first `fit` with windows of several micro-batches: warns
-        once of each `add_loss` term summed over the batch, as `audit` names it
-        (found on the data's first samples: `added_losses.probe`). Returns the `x`
-        to train on (a generator whose first batch the probe read gives it back)."""
-        options = self.options
-        if "added_losses" in self._warned or not self.layers.built or (
-                not options.split and options.window.constant == 1):
-            return x
-        self._warned.add("added_losses")
-        layers, x = added_losses.probe(self.layers, x)
-        for layer in layers:
-            warnings.warn("Accumulation is approximate for this model. "
-                          + added_losses.cause(layer), stacklevel=4)
-        return x
-
-    def warn_uniform(self, x, batch_size, kwargs) -> None:
-        """Before a `fit` on arrays under weighting='uniform': warns once, as `audit`
-        names it, where its micro-batches are of unequal sizes (the last batch's
-        rest, or a batch's rest in split mode), which then count the same."""
-        options = self.options
-        if options.weighting != "uniform" or "uniform" in self._warned or (
-                not options.split and options.window.constant == 1):
-            return
-        sizes = micro_batch_sizes(x, batch_size, kwargs.get("validation_split"),
-                                  options.micro_batch_size if options.split else None)
-        if sizes is not None and len(sizes) > 1:
-            self._warned.add("uniform")
-            warnings.warn("Accumulation is approximate for this model. "
-                          + uniform_message(sizes), stacklevel=4)
 
     def fitting(self, hook):
         """The context `fit` runs in: the hook told the epoch's length as Keras's

@@ -11,8 +11,12 @@ writes the epoch's log entries and warns. It speaks to the model's accumulation
 from __future__ import annotations
 
 import threading
+import warnings
 
 import keras
+
+from gradaccum import added_losses
+from gradaccum.weighting import micro_batch_sizes, uniform_message
 
 EMPTY_FIT = (
     "`fit` must receive at least one micro-batch. Received: data that yielded no batch "
@@ -120,6 +124,38 @@ def begin_fit(accumulation, hook, epochs, callbacks, kwargs):
         accumulation.fit_field("unequal").assign(False)
     accumulation.short_end = False
     return callbacks
+
+
+def warn_added_losses(accumulation, x):
+    """Before a model's first `fit` with windows of several micro-batches: warns
+    once of each `add_loss` term summed over the batch, as `audit` names it
+    (found on the data's first samples: `added_losses.probe`). Returns the `x`
+    to train on (a generator whose first batch the probe read gives it back)."""
+    options = accumulation.options
+    if "added_losses" in accumulation._warned or not accumulation.layers.built or (
+            not options.split and options.window.constant == 1):
+        return x
+    accumulation._warned.add("added_losses")
+    layers, x = added_losses.probe(accumulation.layers, x)
+    for layer in layers:
+        warnings.warn("Accumulation is approximate for this model. "
+                      + added_losses.cause(layer), stacklevel=4)
+    return x
+
+def warn_uniform(accumulation, x, batch_size, kwargs) -> None:
+    """Before a `fit` on arrays under weighting='uniform': warns once, as `audit`
+    names it, where its micro-batches are of unequal sizes (the last batch's
+    rest, or a batch's rest in split mode), which then count the same."""
+    options = accumulation.options
+    if options.weighting != "uniform" or "uniform" in accumulation._warned or (
+            not options.split and options.window.constant == 1):
+        return
+    sizes = micro_batch_sizes(x, batch_size, kwargs.get("validation_split"),
+                              options.micro_batch_size if options.split else None)
+    if sizes is not None and len(sizes) > 1:
+        accumulation._warned.add("uniform")
+        warnings.warn("Accumulation is approximate for this model. "
+                      + uniform_message(sizes), stacklevel=4)
 
 
 def after_fit(accumulation, failed: bool = False) -> None:
