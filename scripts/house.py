@@ -8,8 +8,11 @@ lines of code).
     python scripts/house.py --svg F    also draws the floors into F (the docs build
                                        does, for docs/architecture.md)
 
-Every import counts: at the top of a module, inside a function (lazy) or under
-`TYPE_CHECKING`. Only the standard library is used, so it runs before set-up.
+Every import counts: at the top of a module, inside a function (lazy), under
+`TYPE_CHECKING`, and `importlib.import_module` or `__import__` of a name written out.
+A module name computed at run time (the package's lazy exports, `_backend`'s table
+of adapters, both on the top floor) cannot be read. Only the standard library is
+used, so it runs before set-up.
 """
 
 from __future__ import annotations
@@ -83,6 +86,14 @@ def imports(known: dict[str, pathlib.Path]) -> dict[str, set[str]]:
                     base = f"{package}.{base}" if base else package
                 targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known
                            else base for alias in node.names]
+            elif (isinstance(node, ast.Call) and node.args
+                  and isinstance(node.args[0], ast.Constant)
+                  and isinstance(node.args[0].value, str)
+                  and (getattr(node.func, "attr", None) == "import_module"
+                       or getattr(node.func, "id", None) in ("import_module",
+                                                             "__import__"))):
+                # importlib.import_module("gradaccum.x"), __import__("gradaccum.x")
+                targets = [node.args[0].value]
             for target in targets:
                 owner = _owner(target, known)
                 if owner is not None and owner != name:

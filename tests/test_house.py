@@ -46,11 +46,19 @@ def test_a_lazy_circle_and_a_climb_are_found(tmp_path):
         "epochs.py": "from typing import TYPE_CHECKING\n"
                      "if TYPE_CHECKING:\n    from gradaccum.exact_epochs import x\n",
         "exact_epochs.py": "from gradaccum import epochs\n",
+        "core/window.py": "import importlib\n"
+                          "def f():\n    importlib.import_module('gradaccum.attach')\n",
+        "core/hints.py": "def f():\n    __import__('gradaccum.adapter')\n",
+        "attach.py": "",
     })
     found = house.faults(package)
     assert "import circle: gradaccum.adapter <-> gradaccum.core.options" in found
     assert "import circle: gradaccum.epochs <-> gradaccum.exact_epochs" in found
     assert ("climbs: gradaccum.core.options (core) imports gradaccum.adapter "
+            "(the adapter)") in found
+    assert ("climbs: gradaccum.core.window (core) imports gradaccum.attach "
+            "(the public API)") in found
+    assert ("climbs: gradaccum.core.hints (core) imports gradaccum.adapter "
             "(the adapter)") in found
 
 

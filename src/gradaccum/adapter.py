@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
+
 from gradaccum import _keras_common as kc
 from gradaccum import epochs, saving
 from gradaccum.backend_interface import Adapter
@@ -366,6 +368,10 @@ class Accumulation(Adapter):
         """Restores what `save_to` wrote; values the state has no place for yet
         wait until it has."""
         self._pending = saving.loaded(store)
+        # A file written before `outside_fit` was saved (or by a fit) has no window
+        # left by `train_on_batch` calls: whatever calls this model made before the
+        # load, the window loaded goes on.
+        self._pending.setdefault("outside_fit", np.asarray(False))
         if self._pending and getattr(self.host, "optimizer", None) is not None:
             self.ensure_state()
             self.restore_pending()

@@ -195,7 +195,7 @@ def _keep_on_save(model: keras.Model, saved: dict[str, Any]) -> None:
     """Until `accumulate` takes the saved state, the model's `save` writes it again
     (a loaded model saved before it trains keeps its window)."""
     cls = type(model)
-    entries = {state_file._FORMAT: np.asarray(state_file.FORMAT), **saved}
+    entries = {state_file._FORMAT: np.asarray(state_file.format_of(saved)), **saved}
 
     def save(filepath: Any, overwrite: bool = True, zipped: bool | None = None,
              **kwargs: Any) -> Any:
@@ -236,10 +236,10 @@ def read(filepath: str | os.PathLike[str]) -> dict | None:
             "lost)."
         ) from None
     version = values.pop(state_file._FORMAT, None)
-    if version is None or int(version) != state_file.FORMAT:
+    if version is None or int(version) not in state_file.READS:
         raise ValueError(
             f"The accumulation state in {filepath} has format {version}; this "
-            f"gradaccum reads format {state_file.FORMAT}. Load it with the gradaccum "
+            f"gradaccum reads {state_file.READS_TEXT}. Load it with the gradaccum "
             "that saved it; or with keras.saving.load_model to resume with an empty "
             "window (the open window's micro-batches are lost)."
         )

@@ -38,7 +38,14 @@ import numpy as np
 from gradaccum import _keras_common as kc
 from gradaccum import saving
 
+# The formats this gradaccum writes and reads: 2, the weights and the window state
+# saved as one pair; 3, the same with a window `train_on_batch` calls left open
+# (`outside_fit`: the next `fit` closes it), which a reader of format 2 alone would
+# carry on instead, so it refuses the file.
 FORMAT = 2
+FORMAT_OUTSIDE_FIT = 3
+READS = (FORMAT, FORMAT_OUTSIDE_FIT)
+READS_TEXT = "formats 2 and 3"
 # The keys of the state file besides the state's own (`saving.PREFIX`).
 _FORMAT = "gradaccum@format"
 _SIGNATURE = "gradaccum@signature"
@@ -119,10 +126,16 @@ def save(save_weights, filepath, state: dict, signature: dict, sharded=False) ->
 def stamped(state: dict, signature: dict) -> dict:
     """A saved state's entries: the state's own (`saving.PREFIX` names) with the
     format and the signature (the model and window rule it is for)."""
-    store = {_FORMAT: np.asarray(FORMAT),
+    store = {_FORMAT: np.asarray(format_of(state)),
              _SIGNATURE: np.asarray(json.dumps(signature, sort_keys=True))}
     store.update({key: np.asarray(value) for key, value in state.items()})
     return store
+
+
+def format_of(state: dict) -> int:
+    """The format a saved state is written in (`READS`)."""
+    flag = state.get(saving.PREFIX + "outside_fit")
+    return FORMAT_OUTSIDE_FIT if flag is not None and np.any(flag) else FORMAT
 
 
 def keras_save(filepath, overwrite, args, kwargs) -> tuple[bool, bool]:
@@ -329,12 +342,12 @@ def _entry_for(filepath: str, path: str, weights_digest: str) -> dict:
             "micro-batches are lost)."
         ) from None
     version = values.get(_FORMAT)
-    if version is None or int(version) != FORMAT:
+    if version is None or int(version) not in READS:
         found = ("gradaccum's first format, saved apart from its weights"
                  if version is None else f"format {int(version)}")
         raise ValueError(
             f"The accumulation state file {path} has {found}; this gradaccum "
-            f"reads format {FORMAT} (the weights and the window state saved as one "
+            f"reads {READS_TEXT} (the weights and the window state saved as one "
             "pair, tied by the weights' digest). Load it with the gradaccum that "
             "saved it and save again; or delete it to load the weights with an "
             "empty window (the open window's micro-batches are lost)."

@@ -129,7 +129,7 @@ def test_a_state_file_of_another_format_is_an_error(tmp_path):
     np.savez(path + saving.SIDECAR, **values)  # as gradaccum wrote it before (format 1)
     with pytest.raises(ValueError, match=re.escape(
             "has gradaccum's first format, saved apart from its weights; this "
-            f"gradaccum reads format {state_file.FORMAT}")):
+            f"gradaccum reads {state_file.READS_TEXT}")):
         _ready(_trainer()).load_weights(path)
 
 

@@ -153,3 +153,40 @@ def test_a_window_the_calls_left_is_closed_alike_after_a_save_and_load(round_tri
     reference = _reference(windows_of([4] * 14, [4, 2, 4, 4]), x, y)
     assert int(model.optimizer.iterations) == 4
     assert_weights_close(model, reference)
+
+
+def test_a_window_loaded_from_a_file_without_the_flag_goes_on_whatever_came_before(tmp_path):
+    # A file written before the flag was saved (its key removed here), loaded into a
+    # model whose own train_on_batch calls had set it: the loaded window goes on
+    # into the fit, as that file's gradaccum would have it.
+    x, y = data(56)
+    model = _trainer(steps=4, partial="carry")
+    model.fit(x[:24], y[:24], batch_size=4, epochs=1, shuffle=False, verbose=0)  # 4, 2 open
+    path = str(tmp_path / "carried.weights.h5")
+    model.save_weights(path)
+    sidecar = gradaccum.saving.sidecar(path)
+    with np.load(sidecar) as store:
+        kept = {k: store[k] for k in store.files if not k.endswith("outside_fit")}
+    np.savez(sidecar, **kept)
+    dirty = _trainer(steps=4)
+    _calls(dirty, x, y, 1, start=52)
+    dirty.load_weights(path)
+    dirty.fit(x[24:], y[24:], batch_size=4, epochs=1, shuffle=False, verbose=0)
+    # The loaded 2 go on with the fit's first 2; its last 2 are flushed at its end.
+    reference = _reference(windows_of([4] * 14, [4, 4, 4, 2]), x, y)
+    assert int(dirty.optimizer.iterations) == 4
+    assert_weights_close(dirty, reference)
+
+
+def test_only_a_window_the_calls_left_is_saved_in_the_format_older_readers_refuse(tmp_path):
+    x, y = data(24)
+    model = _trainer(steps=4)
+    _calls(model, x, y, 6)
+    path = str(tmp_path / "calls.weights.h5")
+    model.save_weights(path)
+    with np.load(gradaccum.saving.sidecar(path)) as store:
+        assert int(store["gradaccum@format"]) == 3
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    model.save_weights(path)
+    with np.load(gradaccum.saving.sidecar(path)) as store:
+        assert int(store["gradaccum@format"]) == 2

@@ -214,12 +214,22 @@ def built_before_tracing(model):
     variables when the function is made; gradaccum's accumulators need them then.
     The build reads the dataset's `element_spec` (no batch is read, so a shuffle's
     order, a one-shot generator and a stateful `map` see what plain Keras gives
-    them), calls the model symbolically with `training=True` (as the step's trace
-    would: a layer used only in training is built too), then lets Keras build the
-    compiled loss, the metrics and the optimizer. Data with no batch leaves the
-    model unbuilt.
+    them) and calls the model symbolically with `training=True`, as the step's
+    first trace would (a layer used only in training is built too; ragged and
+    sparse inputs stay so). The compiled loss and metrics are built in the traced
+    step, as Keras builds them without a strategy; gradaccum builds the optimizer
+    before tracing. A model that cannot be called symbolically, or data with no
+    batch, leaves the model unbuilt: the state's check then says how to build it.
     """
     keras_build = model._maybe_symbolic_build
+
+    def symbolic(spec):
+        if spec is None:
+            return None
+        return keras.KerasTensor(
+            spec.shape, keras.backend.standardize_dtype(spec.dtype),
+            sparse=isinstance(spec, tf.SparseTensorSpec),
+            ragged=isinstance(spec, tf.RaggedTensorSpec))
 
     def symbolic_build(iterator=None, data_batch=None):
         if model._distribute_strategy is not None or all(
@@ -227,15 +237,17 @@ def built_before_tracing(model):
             return keras_build(iterator=iterator, data_batch=data_batch)
         if iterator is not None:
             data_batch = iterator._distributed_dataset.element_spec
+        elif data_batch is not None:
+            data_batch = tf.nest.map_structure(
+                lambda v: None if v is None else tf.type_spec_from_value(v), data_batch)
         if data_batch is None:
             return None
-        symbolic = tf.nest.map_structure(
-            lambda v: None if v is None else keras.KerasTensor(
-                v.shape, keras.backend.standardize_dtype(v.dtype)),
-            data_batch)
-        x, _, _ = keras.utils.unpack_x_y_sample_weight(symbolic)
-        compute_output_spec(model, x, training=True)
-        model._symbolic_build(data_batch=data_batch)
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(
+            tf.nest.map_structure(symbolic, data_batch))
+        try:
+            compute_output_spec(model, x, training=True)
+        except Exception:  # noqa: BLE001 (the state's check names the way out)
+            return None
         return None
 
     with overriding(model, _maybe_symbolic_build=symbolic_build):
