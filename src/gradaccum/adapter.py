@@ -167,15 +167,16 @@ class Accumulation(Adapter):
             self.fit_field("outside_fit").assign(True)
         return self.after_train_on_batch(logs)
 
-    def close_outside_fit(self) -> None:
+    def close_outside_fit(self, always: bool = False) -> None:
         """The window `train_on_batch` calls left open is closed as `partial` says
         (kept with "carry"): the micro-batches given before a `fit` are data that
-        ended. A window a `fit` left (interrupted, or carried) goes on. The flag is
-        a field of the state, saved with the window."""
+        ended. A window a `fit` left (interrupted, or carried) goes on, unless
+        `always` (`gradaccum.end_of_data`). The flag is a field of the state, saved
+        with the window."""
         if self.state is None:
             return
         flag = self.fit_field("outside_fit")
-        if bool(flag.numpy()):
+        if always or bool(flag.numpy()):
             self.end_of_data()
             flag.assign(False)
 

@@ -251,9 +251,7 @@ def end_of_data(model: keras.Model) -> int:
     if accumulation is None:
         raise ValueError(_not_accumulating(model))
     held = accumulation.open_micro_batches()
-    accumulation.end_of_data()
-    if accumulation.state is not None:
-        accumulation.fit_field("outside_fit").assign(False)
+    accumulation.close_outside_fit(always=True)
     return held
 
 

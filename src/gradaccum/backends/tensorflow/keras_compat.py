@@ -247,8 +247,7 @@ def built_before_tracing(model):
         try:
             compute_output_spec(model, x, training=True)
         except Exception:  # noqa: BLE001 (the state's check names the way out)
-            return None
-        return None
+            pass
 
     with overriding(model, _maybe_symbolic_build=symbolic_build):
         yield
