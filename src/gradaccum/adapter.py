@@ -25,6 +25,7 @@ from gradaccum.backend_interface import Adapter
 from gradaccum.core import fit_logs, messages, moving_statistics, overwrite
 from gradaccum.core.auto_size import AutoSize
 from gradaccum.core.moving_statistics import Follower
+from gradaccum.core.options import Options
 from gradaccum.core.privacy import check_fit as check_private_fit
 from gradaccum.core.privacy import check_layers as check_private_layers
 from gradaccum.core.privacy import spent
@@ -51,9 +52,17 @@ class Accumulation(Adapter):
     user's own model (`gradaccum.accumulate`) or `wrap`'s `AccumulatingModel`.
 
     Args:
-        options: the checked options (the backend's `Options`).
+        options: the checked options (`checked_options`).
         layers: the model trained (the host itself, or `wrap`'s inner model).
     """
+
+    @classmethod
+    def checked_options(cls, **values) -> Options:
+        """The options `accumulate` or `wrap` was given (`core.options.OPTIONS` by
+        name), checked, with the backend's runner and its own checks."""
+        options = Options(runner=cls.runner, **values)
+        cls.check_options(options)
+        return options
 
     def __init__(self, options, layers):
         self.options = options
@@ -93,6 +102,16 @@ class Accumulation(Adapter):
         # (`core.moving_statistics`): found when the state is first made.
         self.follower = None
         self._follower_unbuilt = False
+
+    def default_steps_per_execution(self) -> int:
+        """Micro-batches a compiled call runs by default (`steps_per_execution`
+        "window"): the window's length when it is constant, else 1 (schedules,
+        budgets, split mode); 1 under several replicas, where Keras's multi-step
+        train function fails (keras issue 19246), and where the trainer runs one
+        batch per call."""
+        if not self.runs_several_steps or self.replicas() > 1:
+            return 1
+        return self.options.window.constant or 1
 
     # Where accumulate and wrap receive a model ------------------------------------
 

@@ -142,7 +142,7 @@ def accumulate(
             "`gradaccum.disable(model)` first to change its options."
         )
     adapter = _backend.adapter()
-    options = adapter.Options(**given(locals()))
+    options = adapter.checked_options(**given(locals()))
     if options.privacy is not None:
         check_private_model(model, not kc.uses_default_train_step(model),
                             kc.flatten_layers(model))
@@ -403,9 +403,7 @@ def _recompile(model: keras.Model, accumulation: Accumulation, *, user_config: d
                                             accumulation.options.reduction)
     accumulation.chose_steps_per_execution = not steps_per_execution_given
     if not steps_per_execution_given:
-        config["steps_per_execution"] = accumulation.options.steps_per_execution(
-            accumulation.replicas()
-        )
+        config["steps_per_execution"] = accumulation.default_steps_per_execution()
     keras.Model.compile(model, **config)
     kc.set_compile_config(model, user_config)
     accumulation.forget()

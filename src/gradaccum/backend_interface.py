@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, ClassVar, NamedTuple
 import keras
 
 if TYPE_CHECKING:  # pragma: no cover
-    from gradaccum.core.options import Options as CoreOptions
+    from gradaccum.core.options import Options
     from gradaccum.core.transitions import Outcome
+    from gradaccum.core.window import ScheduleRunner
 
 ops = keras.ops
 
@@ -220,10 +221,18 @@ class Adapter(abc.ABC):
     subclasses it with everything the backends share.
     """
 
-    #: The backend's `Options` (a subclass of `gradaccum.core.options.Options`).
-    Options: ClassVar[type[CoreOptions] | None] = None
     #: How messages name the backend ("TensorFlow", "JAX", "PyTorch").
     backend_name: ClassVar[str] = ""
+    #: How the backend's step runs a `steps` callable (its `record.Runner`).
+    runner: ClassVar[ScheduleRunner]
+    #: Whether Keras's trainer on the backend runs several batches per compiled call
+    #: (`steps_per_execution` > 1; not Keras's torch trainer).
+    runs_several_steps: ClassVar[bool] = True
+
+    @classmethod
+    def check_options(cls, options: Options) -> None:
+        """Refuses options the backend cannot honour (nothing by default)."""
+        return None
 
     @classmethod
     def check_model(cls, model) -> None:

@@ -100,7 +100,7 @@ class AccumulatingModel(keras.Model):
             model = convert_batch_normalization(model)
         if model.built:
             adapter.check_model(model)
-        options = adapter.Options(**given(locals()))
+        options = adapter.checked_options(**given(locals()))
         if options.privacy is not None:
             # The wrapper's own step and compiled loss train `model`.
             check_private_model(model, own_train_step=False,
@@ -150,9 +150,7 @@ class AccumulatingModel(keras.Model):
         """
         self._accumulation.chose_steps_per_execution = steps_per_execution == "window"
         if steps_per_execution == "window":
-            steps_per_execution = self._accumulation.options.steps_per_execution(
-                self._accumulation.replicas()
-            )
+            steps_per_execution = self._accumulation.default_steps_per_execution()
         optimizer = keras.optimizers.get(optimizer)
         check_optimizer(optimizer)
         if self.weighting == "exact" and self.privacy is None:

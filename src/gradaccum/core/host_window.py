@@ -21,28 +21,28 @@ records an error where a window was due all the same (`transitions.unclosed`).
 
 from __future__ import annotations
 
-from gradaccum.core.window import WindowSpec
+from gradaccum.core.window import WindowRule
 
 
 class HostWindow:
     """The open window's length and the epoch's position, counted on the host.
 
     Args:
-        rule: the checked window rule (`WindowSpec`); counted only when its length
+        rule: the checked window rule (`WindowRule`); counted only when its length
             is a constant (`follows`).
         partial: the `partial` option: `"flush"` and `"drop"` close a window at the
             epoch's last micro-batch, `"carry"` keeps it open.
 
     Example:
 
-        >>> from gradaccum.core.window import WindowSpec
-        >>> window = HostWindow(WindowSpec(steps=3), "flush")
+        >>> from gradaccum.core.window import WindowRule
+        >>> window = HostWindow(WindowRule(steps=3), "flush")
         >>> window.start(length=0, epoch_length=5, resume_skip=0)
         >>> [window.may_close() for _ in range(5)]
         [False, False, True, False, True]
     """
 
-    def __init__(self, rule: WindowSpec, partial: str):
+    def __init__(self, rule: WindowRule, partial: str):
         self.steps = rule.constant
         self.closes_at_end = partial in ("flush", "drop")
         self.length: int | None = None
@@ -51,7 +51,7 @@ class HostWindow:
         self.resume_skip = 0
 
     @staticmethod
-    def follows(rule: WindowSpec) -> bool:
+    def follows(rule: WindowRule) -> bool:
         """Whether the host can count `rule`'s windows: a constant length of more
         than one micro-batch (a window of one closes at each)."""
         return rule.constant is not None and rule.constant > 1

@@ -30,7 +30,7 @@ from gradaccum.core.validation import (
     check_weighting,
     check_window_options,
 )
-from gradaccum.core.window import PARTIALS, WindowSpec
+from gradaccum.core.window import PARTIALS, ScheduleRunner, WindowRule
 
 _Function = TypeVar("_Function", bound=Callable[..., Any])
 
@@ -156,13 +156,13 @@ class Options:
     batch is a micro-batch; a window closes once its total weight reaches the
     budget) or `micro_batch_size` (split mode: each batch is split into
     micro-batches of at most that many samples, or `"auto"`, and makes one update).
-    The other options are `OPTIONS`'.
+    The other options are `OPTIONS`'. `runner` is the backend's (how its step runs
+    a `steps` callable: `core.window.ScheduleRunner`); the backend's adapter makes
+    the options (`Accumulation.checked_options`) and adds its own checks.
     """
 
-    # The backend's `WindowSpec` (how a schedule's callable runs).
-    window_rule = WindowSpec
-
-    def __init__(self, *, steps: Steps | None = None, micro_batch_size: int | str | None = None,
+    def __init__(self, *, runner: ScheduleRunner | None = None, steps: Steps | None = None,
+                 micro_batch_size: int | str | None = None,
                  max_micro_batch_size: int | None = None,
                  weight_per_update: float | None = None, weighting: Weighting = "exact",
                  partial: str = "flush", reduction: str = "mean",
@@ -174,7 +174,7 @@ class Options:
         )
         # When a window closes, checked now (a schedule's callable is tried on
         # update 0) and shared by every accumulator of the fit.
-        self.window = self.window_rule(steps, weight_per_update)
+        self.window = WindowRule(steps, weight_per_update, runner)
         self.weighting = check_weighting(weighting)
         self.reduction = check_choice("reduction", reduction, REDUCTIONS)
         self.accumulator_dtype = accumulator_dtype_name(accumulator_dtype)
@@ -245,13 +245,6 @@ class Options:
             "reduction": self.reduction,
             "private": self.privacy is not None,
         }
-
-    def steps_per_execution(self, replicas: int) -> int:
-        """Micro-batches a compiled call runs by default (`steps_per_execution`
-        "window"): the window's length when it is constant, else 1 (schedules,
-        budgets, split mode); 1 under several replicas, where Keras's multi-step
-        train function fails (keras issue 19246)."""
-        return (self.window.constant or 1) if replicas == 1 else 1
 
     def config(self) -> dict:
         """The options as a saved model's config holds them: names as they are,

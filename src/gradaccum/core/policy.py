@@ -9,7 +9,7 @@ class Policy:
     """The settings the transitions follow, from the checked options.
 
     Args:
-        rule: the `WindowSpec` (when a window is due).
+        rule: the `WindowRule` (when a window is due).
         reduction: `"mean"` or `"sum"`.
         nonfinite: a policy name or the user's callable.
         partial: what the end of the data does to an open window (`"flush"`,

@@ -152,7 +152,7 @@ def check_window_options(steps, micro_batch_size, max_micro_batch_size, partial,
     schedule of them), `weight_per_update` (a weight budget per update) or
     `micro_batch_size` (each batch split, one update per batch), exactly one; a cap
     only with `"auto"`; no partial window to treat in split mode. The values of
-    `steps` and `weight_per_update` are `backends.tensorflow.window.WindowRule`'s to check.
+    `steps` and `weight_per_update` are `core.window.WindowRule`'s to check.
 
     Returns:
         (micro_batch_size, max_micro_batch_size), checked.

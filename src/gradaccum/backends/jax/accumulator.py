@@ -19,7 +19,7 @@ import keras
 import numpy as np
 
 from gradaccum.backends.jax.own_step import Applier
-from gradaccum.backends.jax.record import Carry, LossScaling, WindowRecord
+from gradaccum.backends.jax.record import Carry, LossScaling, Runner, WindowRecord
 from gradaccum.backends.jax.state import Packed
 from gradaccum.core import messages, overwrite
 from gradaccum.core import transitions as tr
@@ -34,6 +34,7 @@ from gradaccum.core.validation import (
     check_variables,
     check_weight_value,
 )
+from gradaccum.core.window import WindowRule
 
 __all__ = ["GradientAccumulator"]
 
@@ -128,10 +129,10 @@ class GradientAccumulator(Packed):
                  weight_per_update: Real | None = None, reduction: str = "mean",
                  accumulator_dtype: DType = "float32", nonfinite: Nonfinite = "skip",
                  name: str = "gradient_accumulator") -> None:
-        from gradaccum.backends.jax.fit import WindowRule, check_accumulator_dtype
+        from gradaccum.backends.jax.fit import check_accumulator_dtype
 
         variables = check_variables(variables)
-        self._rule = WindowRule(steps, weight_per_update)
+        self._rule = WindowRule(steps, weight_per_update, Runner())
         self.reduction = check_choice("reduction", reduction, REDUCTIONS)
         self.accumulator_dtype = check_accumulator_dtype(accumulator_dtype)
         self.nonfinite = check_nonfinite(nonfinite)

@@ -23,45 +23,14 @@ from gradaccum.backend_interface import Findings
 from gradaccum.backends.jax import phases, retry
 from gradaccum.backends.jax.own_step import Applier
 from gradaccum.backends.jax.phases import Phases
-from gradaccum.backends.jax.record import Carry, FitRecord
+from gradaccum.backends.jax.record import Carry, FitRecord, Runner
 from gradaccum.backends.jax.state import AccumulationState, layouts_of, window_prefix
 from gradaccum.backends.jax.step import ERROR_KEY, TrainStep
 from gradaccum.core import messages
 from gradaccum.core import transitions as tr
 from gradaccum.core.host_window import HostWindow
-from gradaccum.core.options import Options as CoreOptions
+from gradaccum.core.options import Options
 from gradaccum.core.validation import accumulator_dtype_name
-from gradaccum.core.window import WindowSpec
-
-
-class WindowRule(WindowSpec):
-    """The window's rule on JAX: a schedule's callable is traced as it is (checked
-    traceable here, before a step is)."""
-
-    def prepare(self) -> None:
-        import jax
-
-        try:
-            jax.eval_shape(self.length, jax.ShapeDtypeStruct((), "int32"))
-        except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError,
-                jax.errors.TracerIntegerConversionError) as error:
-            raise ValueError(
-                "The `steps` callable must be traceable by JAX: written with "
-                "`keras.ops` / `jax.numpy` (`jnp.where` rather than a Python `if` "
-                "on the update index). Received: a callable that failed on a "
-                f"traced update index: {type(error).__name__}"
-            ) from None
-
-
-class Options(CoreOptions):
-    """The checked options with JAX's window rule; float64 accumulators need JAX's
-    64-bit mode."""
-
-    window_rule = WindowRule
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        check_accumulator_dtype(self.accumulator_dtype)
 
 
 def check_accumulator_dtype(accumulator_dtype) -> str:
@@ -91,11 +60,16 @@ class Accumulation(adapter.Accumulation):
         layers: the model trained (the host itself, or `wrap`'s inner model).
     """
 
-    Options = Options
     backend_name = "JAX"
+    runner = Runner()
     splits_own_step = False
 
-    def __init__(self, options: CoreOptions, layers):
+    @classmethod
+    def check_options(cls, options: Options) -> None:
+        """float64 accumulators need JAX's 64-bit mode."""
+        check_accumulator_dtype(options.accumulator_dtype)
+
+    def __init__(self, options: Options, layers):
         super().__init__(options, layers)
         self.state: AccumulationState | None = None
         self.step: TrainStep | None = None

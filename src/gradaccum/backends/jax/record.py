@@ -7,7 +7,7 @@ accumulator's window record (`gradaccum.core.state.WINDOW`) in it, with JAX's
 primitives for `gradaccum.core.transitions`: the sums' add as a `where`, the update
 inside a `lax.cond` (only when a window closes), the bookkeeping of a close gated
 by `where`, and errors recorded in the fit record for `fit` to raise after the
-call (a jitted step cannot raise).
+call (a jitted step cannot raise). `Runner` traces a `steps` callable as it is.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from gradaccum import _keras_common as kc
 from gradaccum.backend_interface import Record
 from gradaccum.backends.jax import privacy
 from gradaccum.core.state import ERRORS, accumulator_name
+from gradaccum.core.window import ScheduleRunner, checked_schedule_value
 
 
 def all_finite(gradients):
@@ -278,3 +279,22 @@ def where_accepted(accepted, new, old) -> list:
     seeds, or the metrics'), or as they were (`old`) where it was not accumulated
     (skipped: it never reaches the weights nor the logs)."""
     return [jnp.where(accepted, n, o) for n, o in zip(new, old)]
+
+
+class Runner(ScheduleRunner):
+    """How the jitted step runs a `steps` callable: traced as it is (checked
+    traceable when the rule is made, before a step is)."""
+
+    def prepare(self, steps):
+        try:
+            jax.eval_shape(lambda index: checked_schedule_value(steps(index)),
+                           jax.ShapeDtypeStruct((), "int32"))
+        except (jax.errors.ConcretizationTypeError, jax.errors.TracerBoolConversionError,
+                jax.errors.TracerIntegerConversionError) as error:
+            raise ValueError(
+                "The `steps` callable must be traceable by JAX: written with "
+                "`keras.ops` / `jax.numpy` (`jnp.where` rather than a Python `if` "
+                "on the update index). Received: a callable that failed on a "
+                f"traced update index: {type(error).__name__}"
+            ) from None
+        return steps

@@ -6,8 +6,8 @@ Keras's TensorFlow trainer is stateful: the accumulation state is `tf.Variable`s
 that `fit` trains, with the steps (`exact_step.py`, `own_step.py`, `split_step.py` over
 `split.py`), resuming inside an epoch (`resume.py`), `"auto"`'s retries (`retry.py`),
 the log entries (`logs.py`) and the followed BatchNormalization layers
-(`following.py`) beside it. The window record over the state is `record.py`, the
-window's rule `window.py`, the combination `combine.py`. What touches tf.distribute is
+(`following.py`) beside it. The window record over the state is `record.py` (with how the step
+runs a `steps` callable), the combination `combine.py`. What touches tf.distribute is
 in `distributed.py`, `replicas.py` and `communication.py`, the non-finite screen in
 `screening.py`, DP-SGD in `privacy.py` (with `vectorized.py`), Keras's private
 TensorFlow pieces in `keras_compat.py`.

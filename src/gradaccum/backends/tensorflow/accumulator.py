@@ -29,11 +29,10 @@ from gradaccum.backends.tensorflow.checks import (  # noqa: E402
     check_gradients,
     check_weight,
 )
-from gradaccum.backends.tensorflow.record import VariableRecord  # noqa: E402
+from gradaccum.backends.tensorflow.record import Runner, VariableRecord  # noqa: E402
 from gradaccum.backends.tensorflow.replicas import ReplicaRecord  # noqa: E402
 from gradaccum.backends.tensorflow.screening import NONFINITE, check_nonfinite  # noqa: E402
 from gradaccum.backends.tensorflow.state import AccumulatorState, Untracked  # noqa: E402
-from gradaccum.backends.tensorflow.window import WindowRule  # noqa: E402
 from gradaccum.core import transitions as tr  # noqa: E402
 from gradaccum.core.combine import REDUCTIONS, combine  # noqa: E402
 from gradaccum.core.hints import DType, Nonfinite, Real, Steps  # noqa: E402
@@ -45,6 +44,7 @@ from gradaccum.core.validation import (  # noqa: E402
     check_optimizer,
     check_variables,
 )
+from gradaccum.core.window import WindowRule  # noqa: E402
 
 __all__ = ["GradientAccumulator", "NONFINITE", "REDUCTIONS"]
 
@@ -187,7 +187,8 @@ class GradientAccumulator(tf.Module):
         variables = check_variables(variables)
         # The fit integration passes the WindowRule it checked already.
         self._rule = (
-            steps if isinstance(steps, WindowRule) else WindowRule(steps, weight_per_update)
+            steps if isinstance(steps, WindowRule)
+            else WindowRule(steps, weight_per_update, Runner())
         )
         self._reduction = check_choice("reduction", reduction, REDUCTIONS)
         self._accumulator_dtype = check_accumulator_dtype(accumulator_dtype)

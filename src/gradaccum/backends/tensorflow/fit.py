@@ -40,46 +40,11 @@ from gradaccum.backends.tensorflow.distributed import (
 )
 from gradaccum.backends.tensorflow.exact_step import exact_step
 from gradaccum.backends.tensorflow.own_step import OwnStep
-from gradaccum.backends.tensorflow.record import ModuleRecord
+from gradaccum.backends.tensorflow.record import ModuleRecord, Runner
 from gradaccum.backends.tensorflow.screening import compiled_raise_message
 from gradaccum.backends.tensorflow.split_step import split_step
 from gradaccum.backends.tensorflow.state import FitState, Untracked
-from gradaccum.backends.tensorflow.window import WindowRule
-from gradaccum.core.options import Options as CoreOptions
-
-
-class Options(CoreOptions):
-    """The checked options (`gradaccum.core.options.Options`) with TensorFlow's
-    window rule (a schedule's callable runs as a `tf.function`) and accumulators."""
-
-    window_rule = WindowRule
-
-    def accumulator(self, variables, *, layers=None, name="gradient_accumulator"):
-        accumulator = GradientAccumulator(
-            variables,
-            steps=self.window,
-            reduction=self.reduction,
-            accumulator_dtype=self.accumulator_dtype,
-            layers=layers,
-            nonfinite=self.nonfinite,
-            name=name,
-        )
-        # A new accumulator's window is empty: so are the windows of the layers it
-        # drives. Whatever their state variables held (values left by an earlier
-        # accumulation, or written by `set_weights`, whose list includes them) would
-        # otherwise be pooled into the first window. A saved window is restored
-        # afterwards (`Accumulation.restore_pending`), with the accumulator's.
-        for layer in accumulator.batch_normalization_layers:
-            layer._reset_window()
-        if self.privacy is not None:
-            accumulator._privacy = Untracked(self.privacy)
-            # A variable made in the strategy's scope: under several workers its
-            # initial value is the chief's, so every worker draws the same noise.
-            accumulator._noise_seed = tf.Variable(
-                self.privacy.noise_seed(), dtype=tf.int64, trainable=False,
-                name="noise_seed",
-            )
-        return accumulator
+from gradaccum.core.options import Options
 
 
 class Accumulation(adapter.Accumulation):
@@ -92,10 +57,10 @@ class Accumulation(adapter.Accumulation):
             step drives (the host itself, or `wrap`'s inner model).
     """
 
-    Options = Options
     backend_name = "TensorFlow"
+    runner = Runner()
 
-    def __init__(self, options: CoreOptions, layers):
+    def __init__(self, options: Options, layers):
         super().__init__(options, layers)
         self.state: FitState | None = None
         self._end_of_data_function: Callable[[], Any] | None = None
@@ -103,6 +68,35 @@ class Accumulation(adapter.Accumulation):
         self.own_step = OwnStep(self)
         # Split mode: whether XLA compiles each micro-batch (the host's jit_compile).
         self.micro_batch_jit = False
+
+    def new_accumulator(self, variables, *, layers=None, name="gradient_accumulator"):
+        """A new accumulator of `variables` under the options (its layers'
+        windows emptied; with privacy, the noise's seed)."""
+        accumulator = GradientAccumulator(
+            variables,
+            steps=self.options.window,
+            reduction=self.options.reduction,
+            accumulator_dtype=self.options.accumulator_dtype,
+            layers=layers,
+            nonfinite=self.options.nonfinite,
+            name=name,
+        )
+        # A new accumulator's window is empty: so are the windows of the layers it
+        # drives. Whatever their state variables held (values left by an earlier
+        # accumulation, or written by `set_weights`, whose list includes them) would
+        # otherwise be pooled into the first window. A saved window is restored
+        # afterwards (`Accumulation.restore_pending`), with the accumulator's.
+        for layer in accumulator.batch_normalization_layers:
+            layer._reset_window()
+        if self.options.privacy is not None:
+            accumulator._privacy = Untracked(self.options.privacy)
+            # A variable made in the strategy's scope: under several workers its
+            # initial value is the chief's, so every worker draws the same noise.
+            accumulator._noise_seed = tf.Variable(
+                self.options.privacy.noise_seed(), dtype=tf.int64, trainable=False,
+                name="noise_seed",
+            )
+        return accumulator
 
     @classmethod
     def check_model(cls, model) -> None:
@@ -284,7 +278,7 @@ class Accumulation(adapter.Accumulation):
                 host.optimizer.build(host.trainable_variables)
             accumulator = None
             if self.own_train_step is None:
-                accumulator = self.options.accumulator(host.trainable_variables,
+                accumulator = self.new_accumulator(host.trainable_variables,
                                                        layers=layers)
             self.state = FitState(accumulator, terms=terms,
                                   private=self.options.privacy is not None,

@@ -284,7 +284,7 @@ class OwnStep:
             accumulation.check_overwrites()
         # Made (and given any restored values) outside the step being traced, once.
         with tf.init_scope():
-            acc = accumulation.options.accumulator(variables, layers=layers, name=name)
+            acc = accumulation.new_accumulator(variables, layers=layers, name=name)
             for layer in acc.batch_normalization_layers:
                 layer._accumulated = False
             state.own.append((acc, optimizer))

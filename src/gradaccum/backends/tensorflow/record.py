@@ -16,6 +16,8 @@ variables, and TensorFlow's primitives for `gradaccum.core.transitions`.
   emptied with the window.
 
 Under a tf.distribute strategy the close is `replicas.close`: the one reduction.
+
+`Runner` runs a `steps` callable in the traced step (a `tf.function`, AutoGraph on).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from gradaccum.backends.tensorflow import screening
 from gradaccum.backends.tensorflow.branching import cond_kept_whole
 from gradaccum.core import messages, overwrite
 from gradaccum.core.state import RESET
-from gradaccum.core.window import SCHEDULE_RULE
+from gradaccum.core.window import SCHEDULE_RULE, ScheduleRunner
 
 
 def _static(value):
@@ -265,3 +267,35 @@ def error_parts(code: str, micro_batch, at, value=None) -> list:
 
 # Fields a window's close empties, in TensorFlow's record (its own names).
 EMPTIED = RESET
+
+
+class Runner(ScheduleRunner):
+    """How the traced step runs a `steps` callable: wrapped in a `tf.function`
+    (AutoGraph on), so Python `if`/`while` on the update index work as TensorFlow
+    control flow; Python side effects happen when it is traced, not per call. Window
+    lengths are int64, the accumulator's counters' dtype."""
+
+    length_dtype = "int64"
+
+    def prepare(self, steps):
+        prepared = (steps if hasattr(steps, "get_concrete_function")
+                    else tf.function(steps, autograph=True))
+        # Tried now on a symbolic update index (the rule tries update 0 next).
+        with tf.init_scope():
+            try:
+                prepared.get_concrete_function(tf.TensorSpec((), tf.int64))
+            except tf.errors.OperatorNotAllowedInGraphError as error:
+                raise ValueError(
+                    "The `steps` callable must run in a traced step: written with "
+                    "TensorFlow ops, or with Python control flow that AutoGraph can "
+                    "convert (its source in a file or a notebook). Received: a "
+                    f"callable that failed on a symbolic update index: {error}"
+                ) from error
+        return prepared
+
+    def value(self, prepared, update_index):
+        return prepared(tf.cast(update_index, tf.int64))
+
+    def first(self, rule) -> int:
+        with tf.init_scope():
+            return int(rule.length(tf.constant(0, tf.int64)))

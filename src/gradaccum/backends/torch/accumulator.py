@@ -18,8 +18,7 @@ import torch
 
 from gradaccum import _keras_common as kc
 from gradaccum.backends.torch.distributed import Reducer, default_group
-from gradaccum.backends.torch.fit import WindowRule
-from gradaccum.backends.torch.record import WindowRecord, tensor, truth
+from gradaccum.backends.torch.record import Runner, WindowRecord, tensor, truth
 from gradaccum.backends.torch.state import TorchState
 from gradaccum.core import transitions as tr
 from gradaccum.core.combine import REDUCTIONS, combine
@@ -36,6 +35,7 @@ from gradaccum.core.validation import (
     check_weight_value,
     variable_name,
 )
+from gradaccum.core.window import WindowRule
 
 __all__ = ["GradientAccumulator"]
 
@@ -116,7 +116,7 @@ class GradientAccumulator:
                  accumulator_dtype: DType = "float32", nonfinite: Nonfinite = "skip",
                  process_group: Any = "auto", name: str = "gradient_accumulator") -> None:
         variables = check_variables(variables)
-        self._rule = WindowRule(steps, weight_per_update)
+        self._rule = WindowRule(steps, weight_per_update, Runner())
         self.reduction = check_choice("reduction", reduction, REDUCTIONS)
         self.accumulator_dtype = accumulator_dtype_name(accumulator_dtype)
         self.nonfinite = check_nonfinite(nonfinite)

@@ -17,39 +17,12 @@ import torch
 from gradaccum import _keras_common as kc
 from gradaccum import adapter
 from gradaccum.backend_interface import Findings
-from gradaccum.backends.torch.record import tensor
+from gradaccum.backends.torch.record import Runner
 from gradaccum.backends.torch.state import TorchState, window_prefix
 from gradaccum.backends.torch.step import TrainStep
 from gradaccum.core import transitions as tr
 from gradaccum.core.combine import combine
-from gradaccum.core.options import Options as CoreOptions
-from gradaccum.core.validation import accumulator_dtype_name
-from gradaccum.core.window import WindowSpec, checked_schedule_value
-
-
-class WindowRule(WindowSpec):
-    """The window's rule on PyTorch: the step runs eagerly, so a schedule's
-    callable gets the update index as a Python int (and may use a Python `if`)."""
-
-    def callable_length(self, update_index):
-        import keras
-
-        return keras.ops.cast(checked_schedule_value(self.steps(int(tensor(update_index)))),
-                              "int32")
-
-
-class Options(CoreOptions):
-    """The checked options with PyTorch's window rule. Keras's torch trainer runs
-    one batch per call (`steps_per_execution` must be 1 there)."""
-
-    window_rule = WindowRule
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        accumulator_dtype_name(self.accumulator_dtype)
-
-    def steps_per_execution(self, replicas: int) -> int:
-        return 1
+from gradaccum.core.options import Options
 
 
 def torch_statistics(model) -> list:
@@ -94,11 +67,13 @@ class Accumulation(adapter.Accumulation):
         layers: the model trained (the host itself, or `wrap`'s inner model).
     """
 
-    Options = Options
     backend_name = "PyTorch"
+    runner = Runner()
+    # Keras's torch trainer runs one batch per call.
+    runs_several_steps = False
     splits_own_step = False
 
-    def __init__(self, options: CoreOptions, layers):
+    def __init__(self, options: Options, layers):
         super().__init__(options, layers)
         self.state: TorchState | None = None
         self.step: TrainStep | None = None

@@ -10,6 +10,8 @@ in place, and PyTorch's primitives for `gradaccum.core.transitions`.
   at once.
 - The non-finite screen is one fused reduction over every gradient
   (`torch._foreach_norm`: a norm is finite only when every element is).
+
+`Runner` gives a `steps` callable the update index as a Python int.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from gradaccum.backend_interface import Record
 from gradaccum.backends.torch.state import window_prefix
 from gradaccum.core import messages, overwrite
 from gradaccum.core.state import accumulator_name
+from gradaccum.core.window import ScheduleRunner
 
 
 def tensor(value):
@@ -316,3 +319,11 @@ def restore(variables, values) -> None:
     with torch.no_grad():
         for variable, value in zip(variables, values):
             variable.value.copy_(value)
+
+
+class Runner(ScheduleRunner):
+    """How the eager step runs a `steps` callable: on the update index as a Python
+    int (so it may use a Python `if`)."""
+
+    def value(self, prepared, update_index):
+        return prepared(int(tensor(update_index)))
