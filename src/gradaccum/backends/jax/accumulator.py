@@ -23,6 +23,7 @@ from gradaccum.backends.jax.record import Carry, LossScaling, Runner, WindowReco
 from gradaccum.backends.jax.state import Packed
 from gradaccum.core import messages, overwrite
 from gradaccum.core import transitions as tr
+from gradaccum.core.accumulator import Accumulator
 from gradaccum.core.combine import REDUCTIONS
 from gradaccum.core.hints import DType, Nonfinite, Real, Steps
 from gradaccum.core.policy import Policy
@@ -39,7 +40,7 @@ from gradaccum.core.window import WindowRule
 __all__ = ["GradientAccumulator"]
 
 
-class GradientAccumulator(Packed):
+class GradientAccumulator(Packed, Accumulator):
     """Accumulates micro-batch gradients in a JAX training loop and applies their
     combination, statelessly.
 
@@ -154,16 +155,15 @@ class GradientAccumulator(Packed):
             self.weights = keras.Variable(np.asarray(initial["weights"], weight_dtype),
                                           trainable=False, name="weights")
 
-    @property
-    def steps(self) -> Any:
-        """Micro-batches per window: an int, the schedule as given (a callable, or
-        the pairs as a tuple), or None."""
-        return self._rule.steps
+    def field(self, name: str) -> Any:
+        """The state's field `name` as a view of its packed vector (`numpy`,
+        `assign`, `value`)."""
+        return Packed.__getattr__(self, name)
 
-    @property
-    def weight_per_update(self) -> float | None:
-        """The weight budget of a window (None: not a budget)."""
-        return self._rule.weight_per_update
+    def state_variables(self) -> dict:
+        """Every accumulator and field under its stable name (each field as a view
+        of its packed vector)."""
+        return self.named()
 
     @property
     def variables(self) -> list:

@@ -34,6 +34,7 @@ from gradaccum.backends.tensorflow.replicas import ReplicaRecord  # noqa: E402
 from gradaccum.backends.tensorflow.screening import NONFINITE, check_nonfinite  # noqa: E402
 from gradaccum.backends.tensorflow.state import AccumulatorState, Untracked  # noqa: E402
 from gradaccum.core import transitions as tr  # noqa: E402
+from gradaccum.core.accumulator import StatefulAccumulator  # noqa: E402
 from gradaccum.core.combine import REDUCTIONS, combine  # noqa: E402
 from gradaccum.core.hints import DType, Nonfinite, Real, Steps  # noqa: E402
 from gradaccum.core.policy import Policy  # noqa: E402
@@ -49,7 +50,7 @@ from gradaccum.core.window import WindowRule  # noqa: E402
 __all__ = ["GradientAccumulator", "NONFINITE", "REDUCTIONS"]
 
 
-class GradientAccumulator(tf.Module):
+class GradientAccumulator(tf.Module, StatefulAccumulator):
     """Accumulates micro-batch gradients and applies their combination.
 
     A window of micro-batches with gradients `g_i` and weights `w_i` becomes one
@@ -215,33 +216,6 @@ class GradientAccumulator(tf.Module):
     # Read-only views -------------------------------------------------------------
 
     @property
-    def steps(self) -> Any:
-        """Micro-batches per window used by `step`: an int, the schedule as given
-        (a callable, or the pairs as a tuple), or None."""
-        return self._rule.steps
-
-    @property
-    def weight_per_update(self) -> float | None:
-        """The weight budget of a window used by `step` (None: not a budget)."""
-        return self._rule.weight_per_update
-
-    @property
-    def updates(self) -> tf.Variable:
-        """Updates this accumulator made (int64 variable): the position of a
-        `steps` schedule."""
-        return self.state.updates
-
-    @property
-    def last_window_micro_batches(self) -> tf.Variable:
-        """Micro-batches the last update's window held, skipped ones included."""
-        return self.state.last_window_micro_batches
-
-    @property
-    def last_window_weight(self) -> tf.Variable:
-        """The total weight of the last update's window (across replicas)."""
-        return self.state.last_window_weight
-
-    @property
     def reduction(self) -> str:
         """`"mean"` or `"sum"`."""
         return self._reduction
@@ -272,28 +246,9 @@ class GradientAccumulator(tf.Module):
         """One accumulator variable per target variable (weighted gradient sums)."""
         return list(self.state.accumulators)
 
-    @property
-    def micro_step(self) -> tf.Variable:
-        """Micro-batches accumulated in the open window (int64 variable)."""
-        return self.state.micro_step
-
-    @property
-    def total_weight(self) -> tf.Variable:
-        """Sum of the weights of the micro-batches in the open window."""
-        return self.state.total_weight
-
-    @property
-    def skipped(self) -> tf.Variable:
-        """Micro-batches skipped for a non-finite gradient, in all (int64 variable).
-
-        Under a strategy: replicas' shares skipped, summed across replicas, counted
-        when their window closes."""
-        return self.state.skipped
-
-    @property
-    def micro_batches(self) -> tf.Variable:
-        """Micro-batches presented since creation, skipped ones included (int64)."""
-        return self.state.micro_batches
+    def field(self, name: str) -> tf.Variable:
+        """The state's field `name` (a variable of `state.AccumulatorState`)."""
+        return getattr(self.state, name)
 
     def state_variables(self) -> dict[str, tf.Variable]:
         """Every variable of the accumulation state under its stable name: the

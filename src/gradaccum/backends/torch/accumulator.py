@@ -21,6 +21,7 @@ from gradaccum.backends.torch.distributed import Reducer, default_group
 from gradaccum.backends.torch.record import Runner, WindowRecord, tensor, truth
 from gradaccum.backends.torch.state import TorchState
 from gradaccum.core import transitions as tr
+from gradaccum.core.accumulator import StatefulAccumulator
 from gradaccum.core.combine import REDUCTIONS, combine
 from gradaccum.core.hints import DType, Nonfinite, Real, Steps
 from gradaccum.core.policy import Policy
@@ -40,7 +41,7 @@ from gradaccum.core.window import WindowRule
 __all__ = ["GradientAccumulator"]
 
 
-class GradientAccumulator:
+class GradientAccumulator(StatefulAccumulator):
     """Accumulates micro-batch gradients in a PyTorch training loop and applies their
     combination.
 
@@ -131,16 +132,6 @@ class GradientAccumulator:
     # Read-only views ----------------------------------------------------------------
 
     @property
-    def steps(self) -> Any:
-        """Micro-batches per window used by `step` (an int, the schedule as given,
-        or None)."""
-        return self._rule.steps
-
-    @property
-    def weight_per_update(self) -> float | None:
-        return self._rule.weight_per_update
-
-    @property
     def all_reduces(self) -> int:
         """All-reduces this accumulator made under torch.distributed (one per
         update; with a weight budget, one more per micro-batch)."""
@@ -150,9 +141,12 @@ class GradientAccumulator:
     def accumulators(self) -> list:
         return list(self.state.accumulators)
 
+    def field(self, name: str) -> Any:
+        """The state's field `name` as a variable."""
+        return self.state.variables[name]
+
     def __getattr__(self, name: str) -> Any:
-        # The record's fields as variables: updates, micro_step, total_weight,
-        # skipped, micro_batches, last_window_micro_batches, last_window_weight...
+        # The record's other fields as variables (`received`, `window_skipped`...).
         state = self.__dict__.get("state")
         if state is not None and name in state.variables:
             return state.variables[name]
