@@ -104,7 +104,7 @@ def test_the_api_reference_holds_every_public_name_and_no_private_module(site):
         assert f"gradaccum.backends.{backend}.accumulator.GradientAccumulator" in page.ids
     text = (site / "api" / "index.html").read_text()
     # Rendered from the docstrings, the doors' `{options}` lines filled with every
-    # option (docs/griffe_options.py, as `options.documented` does at import).
+    # option (docs/griffe_options.py, as `options.takes_options` does at import).
     assert "{options}" not in text
     for door, after in (("accumulate", "disable"), ("wrap", "AccumulatingModel")):
         section = text[text.index(f'id="gradaccum.{door}"'):

@@ -20,9 +20,8 @@ import keras
 from gradaccum import _backend, model_file, state_file
 from gradaccum import _keras_common as kc
 from gradaccum.adapter import ATTRIBUTE, Accumulation, accumulation_of
-from gradaccum.core.hints import DType, Integer, Nonfinite, Real, Steps, Weighting
-from gradaccum.core.options import documented, given
-from gradaccum.core.privacy import Privacy
+from gradaccum.core.hints import Steps
+from gradaccum.core.options import AccumulationOptions, Unpack, given, takes_options
 from gradaccum.core.privacy import check_model as check_private_model
 from gradaccum.core.validation import check_optimizer
 from gradaccum.weighting import record_normalizers
@@ -45,21 +44,11 @@ _OVERRIDES = (
 _SIZE = "micro_batch_size"
 
 
-@documented
+@takes_options
 def accumulate(
     model: keras.Model,
     steps: Steps | None = None,
-    *,
-    micro_batch_size: Integer | str | None = None,
-    max_micro_batch_size: Integer | None = None,
-    weighting: Weighting = "exact",
-    partial: str = "flush",
-    reduction: str = "mean",
-    accumulator_dtype: DType = "float32",
-    nonfinite: Nonfinite = "skip",
-    weight_per_update: Real | None = None,
-    moving_statistics: str = "window",
-    privacy: Privacy | None = None,
+    **options: Unpack[AccumulationOptions],
 ) -> keras.Model:
     """Makes `model`'s own `fit` train with exact gradient accumulation.
 
@@ -130,6 +119,7 @@ def accumulate(
     """
     from gradaccum.keras_model import AccumulatingModel
 
+    given(options, "accumulate")
     if not isinstance(model, keras.Model):
         raise ValueError(
             "`model` must be a keras.Model. "
@@ -142,13 +132,13 @@ def accumulate(
             "`gradaccum.disable(model)` first to change its options."
         )
     adapter = _backend.adapter()
-    options = adapter.checked_options(**given(locals()))
-    if options.privacy is not None:
+    checked = adapter.checked_options(steps=steps, **options)
+    if checked.privacy is not None:
         check_private_model(model, not kc.uses_default_train_step(model),
                             kc.flatten_layers(model))
     if model.built:
         adapter.check_model(model)
-    accumulation = adapter(options, layers=model)
+    accumulation = adapter(checked, layers=model)
     own_step = None if kc.uses_default_train_step(model) else model.train_step
     accumulation.attach(model, own_step)
     _install(model, accumulation)

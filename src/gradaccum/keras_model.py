@@ -19,13 +19,28 @@ import keras
 from gradaccum import _backend, state_file
 from gradaccum import _keras_common as kc
 from gradaccum.adapter import ATTRIBUTE, Accumulation
-from gradaccum.core.hints import DType, Integer, Nonfinite, Real, Steps, Weighting
-from gradaccum.core.options import NAMES, Options, documented, given
-from gradaccum.core.privacy import Privacy
+from gradaccum.core.hints import Steps
+from gradaccum.core.options import (
+    NAMES,
+    AccumulationOptions,
+    Options,
+    Unpack,
+    given,
+    takes_options,
+)
 from gradaccum.core.privacy import check_model as check_private_model
 from gradaccum.core.validation import check_optimizer
 from gradaccum.core.window import PARTIALS  # noqa: F401 (re-exported)
 from gradaccum.weighting import record_normalizers
+
+
+class ModelOptions(AccumulationOptions, total=False):
+    """What `AccumulatingModel` takes by keyword after `steps` and
+    `convert_batch_norm`: the options, and Keras's `Model` arguments."""
+
+    name: str
+    trainable: bool
+    dtype: Any
 
 
 @keras.saving.register_keras_serializable(package="gradaccum")
@@ -53,24 +68,15 @@ class AccumulatingModel(keras.Model):
         True
     """
 
+    @takes_options
     def __init__(
         self,
         model: keras.Model,
         *,
         steps: Steps | None = None,
-        micro_batch_size: Integer | str | None = None,
-        max_micro_batch_size: Integer | None = None,
-        weighting: Weighting = "exact",
-        partial: str = "flush",
-        reduction: str = "mean",
-        accumulator_dtype: DType = "float32",
         convert_batch_norm: bool = False,
-        nonfinite: Nonfinite = "skip",
-        weight_per_update: Real | None = None,
-        moving_statistics: str = "window",
-        privacy: Privacy | None = None,
-        **kwargs: Any,
-    ) -> None:
+        **kwargs: Unpack[ModelOptions],
+) -> None:
         if not isinstance(model, keras.Model):
             raise ValueError(
                 "`model` must be a keras.Model. "
@@ -100,14 +106,16 @@ class AccumulatingModel(keras.Model):
             model = convert_batch_normalization(model)
         if model.built:
             adapter.check_model(model)
-        options = adapter.checked_options(**given(locals()))
+        rest: dict[str, Any] = dict(kwargs)
+        options = adapter.checked_options(
+            steps=steps, **{name: rest.pop(name) for name in NAMES if name in rest})
         if options.privacy is not None:
             # The wrapper's own step and compiled loss train `model`.
             check_private_model(model, own_train_step=False,
                                 layers=kc.flatten_layers(model))
         _warn_if_own_training(model)
-        kwargs.setdefault("name", f"gradaccum_{model.name}")
-        super().__init__(**kwargs)
+        rest.setdefault("name", f"gradaccum_{model.name}")
+        super().__init__(**rest)
         self.model = model
         # The options as attributes (`micro_batch_size` is the size in use, below).
         for name in NAMES:
@@ -260,22 +268,13 @@ def _warn_if_own_training(model: keras.Model) -> None:
         )
 
 
-@documented
+@takes_options
 def wrap(
     model: keras.Model,
     steps: Steps | None = None,
     *,
-    micro_batch_size: Integer | str | None = None,
-    max_micro_batch_size: Integer | None = None,
-    weighting: Weighting = "exact",
-    partial: str = "flush",
-    reduction: str = "mean",
-    accumulator_dtype: DType = "float32",
     convert_batch_norm: bool = False,
-    nonfinite: Nonfinite = "skip",
-    weight_per_update: Real | None = None,
-    moving_statistics: str = "window",
-    privacy: Privacy | None = None,
+    **options: Unpack[AccumulationOptions],
 ) -> AccumulatingModel:
     """Wraps a Keras model so that `fit()` trains it with gradient accumulation.
 
@@ -325,5 +324,5 @@ def wrap(
         >>> int(trainer.optimizer.iterations)
         8
     """
-    return AccumulatingModel(model, convert_batch_norm=convert_batch_norm,
-                             **given(locals()))
+    return AccumulatingModel(model, steps=steps, convert_batch_norm=convert_batch_norm,
+                             **given(options, "wrap"))

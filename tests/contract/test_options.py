@@ -4,6 +4,8 @@ each of them with its default, documents it with the table's words, and a saved
 
 from __future__ import annotations
 
+import inspect
+
 import keras
 import pytest
 
@@ -47,3 +49,29 @@ def test_a_saved_wrapper_keeps_every_option_in_its_config():
     again = gradaccum.AccumulatingModel.from_config(config)
     assert again.steps == ((0, 1), (2, 3))
     assert (again.partial, again.nonfinite, again.reduction) == ("drop", "apply", "sum")
+
+
+@pytest.mark.parametrize("door, name", [
+    (gradaccum.accumulate, "accumulate"),
+    (gradaccum.wrap, "wrap"),
+])
+def test_a_name_that_is_no_option_is_refused_as_python_refuses_it(door, name):
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    with pytest.raises(TypeError, match=rf"^{name}\(\) got an unexpected keyword "
+                                        r"argument 'stepz'$"):
+        door(model, 2, stepz=4)
+    with pytest.raises(TypeError, match="positional arguments but 3 were given"):
+        door(model, 2, "exact")
+    assert not hasattr(model, "_gradaccum_accumulation")
+
+
+def test_the_options_are_typed_once_and_every_door_shows_them():
+    # One TypedDict (the types) and OPTIONS (defaults, words) name the same options.
+    assert tuple(declared.TYPES) == declared.NAMES
+    for door in (gradaccum.accumulate, gradaccum.wrap, gradaccum.AccumulatingModel.__init__):
+        parameters = inspect.signature(door).parameters
+        assert {name: parameters[name].annotation for name in declared.NAMES} == (
+            declared.TYPES), door
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match="Unrecognized keyword arguments"):
+        gradaccum.AccumulatingModel(model, steps=2, partal="drop")

@@ -15,7 +15,6 @@ import abc
 from collections.abc import Sequence
 from typing import Any
 
-from gradaccum.core.hints import Nonfinite
 from gradaccum.core.window import WindowRule
 
 
@@ -30,11 +29,6 @@ class Accumulator(abc.ABC):
     state's variables (`numpy()`, `assign`), the names a checkpoint keeps.
     """
 
-    reduction: str
-    accumulator_dtype: Any
-    nonfinite: Nonfinite
-    target_variables: tuple
-    accumulators: list
     # When a window is due (`core.window.WindowRule`), set by each backend.
     _rule: WindowRule
 

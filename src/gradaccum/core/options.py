@@ -3,22 +3,25 @@ backend.
 
 `OPTIONS` is the one list of the options `gradaccum.accumulate`, `gradaccum.wrap`
 and `AccumulatingModel` take: each one's name, default and the words of its
-documentation. `accumulate` and `wrap` read it for their arguments (`given`), their
-docstrings (`documented`) and a saved model's config (`Options.config`); `Options`
-checks the values once, with fixed-form errors.
+documentation; `AccumulationOptions` is their types, the signature the doors take
+as `**options` (PEP 692: type checkers and editors read each name and type there).
+`takes_options` gives a door the whole signature (`help`, `inspect.signature`) and
+its docstring's `Args:`; `Options` checks the values once, with fixed-form errors,
+and writes a saved model's config (`Options.config`).
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
 import textwrap
-from collections.abc import Callable
-from typing import Any, NamedTuple, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, TypedDict, TypeVar
 
 import keras
 
 from gradaccum.core.combine import REDUCTIONS
-from gradaccum.core.hints import DType, Nonfinite, Steps, Weighting
+from gradaccum.core.hints import DType, Integer, Nonfinite, Real, Steps, Weighting
 from gradaccum.core.moving_statistics import MODES as MOVING_MODES
 from gradaccum.core.policy import Policy
 from gradaccum.core.privacy import PRIVACY_FIELDS, Privacy, check_privacy
@@ -31,6 +34,11 @@ from gradaccum.core.validation import (
     check_window_options,
 )
 from gradaccum.core.window import PARTIALS, ScheduleRunner, WindowRule
+
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # pragma: no cover
+    from typing_extensions import Unpack
 
 _Function = TypeVar("_Function", bound=Callable[..., Any])
 
@@ -106,15 +114,58 @@ NAMES = tuple(option.name for option in OPTIONS)
 DEFAULTS = {option.name: option.default for option in OPTIONS}
 
 
-def given(arguments: dict) -> dict:
-    """The options among `accumulate`'s or `wrap`'s `arguments` (its `locals()`), by name."""
-    return {name: arguments[name] for name in NAMES}
+class AccumulationOptions(TypedDict, total=False):
+    """The types of the options after `steps`, by keyword (`OPTIONS` holds their
+    defaults and words): what `accumulate(model, steps, **options)`, `wrap` and
+    `AccumulatingModel` take."""
+
+    micro_batch_size: Integer | str | None
+    max_micro_batch_size: Integer | None
+    weight_per_update: Real | None
+    weighting: Weighting
+    partial: str
+    reduction: str
+    accumulator_dtype: DType
+    nonfinite: Nonfinite
+    moving_statistics: str
+    privacy: Privacy | None
 
 
-def documented(function: _Function) -> _Function:
-    """Fills the `{options}` line of `function`'s docstring with the options'
-    `Args:` entries (`filled`); returns `function`. (Under `python -OO` there is no
-    docstring to fill.)"""
+#: Each option's type as written (`steps` is a door's own parameter: its second).
+TYPES = {"steps": "Steps | None", **{
+    name: getattr(hint, "__forward_arg__", hint)
+    for name, hint in AccumulationOptions.__annotations__.items()}}
+
+
+def given(values: Mapping[str, Any], name: str = "Options") -> dict:
+    """`values`, keyword arguments a door `name` received as `**options`; raises a
+    TypeError, as Python does, for a name that is no option."""
+    unknown = [key for key in values if key not in DEFAULTS or key == "steps"]
+    if unknown:
+        raise TypeError(f"{name}() got an unexpected keyword argument {unknown[0]!r}")
+    return dict(values)
+
+
+def takes_options(function: _Function) -> _Function:
+    """Gives `function` (a door: `accumulate`, `wrap`, `AccumulatingModel.__init__`)
+    the options' signature in place of its `**options` (or before its `**kwargs`),
+    each with its type and default, so `help`, `inspect.signature` and Keras's
+    config see every option; fills its docstring's `{options}` line (`filled`).
+    Returns `function`. (Under `python -OO` there is no docstring to fill.)"""
+    signature = inspect.signature(function)
+    parameters = list(signature.parameters.values())
+    tail = parameters.pop() if parameters[-1].kind is inspect.Parameter.VAR_KEYWORD else None
+    present = {p.name for p in parameters}
+    parameters += [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=DEFAULTS[name],
+                          annotation=TYPES[name])
+        for name in NAMES if name not in present
+    ]
+    if tail is not None and tail.name != "options":
+        # What else the door passes on (Keras's `Model` arguments).
+        parameters.append(tail.replace(annotation="Any"))
+    function.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=sorted(parameters, key=lambda p: p.kind))
     if function.__doc__ is not None:
         function.__doc__ = filled(function.__doc__)
     return function
@@ -162,12 +213,13 @@ class Options:
     """
 
     def __init__(self, *, runner: ScheduleRunner | None = None, steps: Steps | None = None,
-                 micro_batch_size: int | str | None = None,
-                 max_micro_batch_size: int | None = None,
-                 weight_per_update: float | None = None, weighting: Weighting = "exact",
-                 partial: str = "flush", reduction: str = "mean",
-                 accumulator_dtype: DType = "float32", nonfinite: Nonfinite = "skip",
-                 moving_statistics: str = "window", privacy: Privacy | None = None) -> None:
+                 **options: Unpack[AccumulationOptions]) -> None:
+        values = {**DEFAULTS, **given(options)}
+        micro_batch_size, max_micro_batch_size = (values["micro_batch_size"],
+                                                  values["max_micro_batch_size"])
+        weight_per_update, weighting = values["weight_per_update"], values["weighting"]
+        partial, reduction = values["partial"], values["reduction"]
+        nonfinite, privacy = values["nonfinite"], values["privacy"]
         self.partial = check_choice("partial", partial, PARTIALS)
         self.micro_batch_size, self.max_micro_batch_size = check_window_options(
             steps, micro_batch_size, max_micro_batch_size, partial, weight_per_update
@@ -177,10 +229,10 @@ class Options:
         self.window = WindowRule(steps, weight_per_update, runner)
         self.weighting = check_weighting(weighting)
         self.reduction = check_choice("reduction", reduction, REDUCTIONS)
-        self.accumulator_dtype = accumulator_dtype_name(accumulator_dtype)
+        self.accumulator_dtype = accumulator_dtype_name(values["accumulator_dtype"])
         self.nonfinite = check_nonfinite(nonfinite)
-        self.moving_statistics = check_choice("moving_statistics", moving_statistics,
-                                              MOVING_MODES)
+        self.moving_statistics = check_choice("moving_statistics",
+                                              values["moving_statistics"], MOVING_MODES)
         if self.auto and (self.weighting == "uniform" or self.reduction == "sum"):
             raise ValueError(
                 '`weighting` must be "exact" or a callable, and `reduction` "mean", '
