@@ -213,7 +213,7 @@ def test_keras_alone_is_off_on_repeated_rows():
 
 
 def test_deduplicated_sums_repeated_rows_and_keeps_them_sparse():
-    from gradaccum.backends.tensorflow.combine import deduplicated
+    from gradaccum.backends.tensorflow.sums import deduplicated
 
     slices = tf.IndexedSlices(tf.constant([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]),
                               tf.constant([7, 2, 7]), tf.constant([10, 2]))

@@ -29,9 +29,9 @@ from gradaccum.backends.tensorflow.checks import (  # noqa: E402
     check_gradients,
     check_weight,
 )
+from gradaccum.backends.tensorflow.finite import NONFINITE, check_nonfinite  # noqa: E402
 from gradaccum.backends.tensorflow.record import Runner, VariableRecord  # noqa: E402
 from gradaccum.backends.tensorflow.replicas import ReplicaRecord  # noqa: E402
-from gradaccum.backends.tensorflow.screening import NONFINITE, check_nonfinite  # noqa: E402
 from gradaccum.backends.tensorflow.state import AccumulatorState, Untracked  # noqa: E402
 from gradaccum.core import transitions as tr  # noqa: E402
 from gradaccum.core.accumulator import StatefulAccumulator  # noqa: E402

@@ -5,7 +5,7 @@ model (`gradaccum.accumulate`) or `wrap`'s `AccumulatingModel`. It holds the
 options and the accumulation state (`state.FitState`) and runs one of three steps:
 
 - a host that uses Keras's default `train_step` trains with gradaccum's exact step
-  (`exact_step.py`);
+  (`step.py`);
 - a host whose class defines its own `train_step` runs it unchanged, its optimizer
   calls accumulated (`own_step.py`);
 - split mode cuts each batch into micro-batches inside the step (`split_step.py`).
@@ -38,12 +38,12 @@ from gradaccum.backends.tensorflow.distributed import (
     check_split_synchronization,
     distribution_of,
 )
-from gradaccum.backends.tensorflow.exact_step import exact_step
+from gradaccum.backends.tensorflow.finite import compiled_raise_message
 from gradaccum.backends.tensorflow.own_step import OwnStep
 from gradaccum.backends.tensorflow.record import ModuleRecord, Runner
-from gradaccum.backends.tensorflow.screening import compiled_raise_message
 from gradaccum.backends.tensorflow.split_step import split_step
 from gradaccum.backends.tensorflow.state import FitState, Untracked
+from gradaccum.backends.tensorflow.step import exact_step
 from gradaccum.core.options import Options
 
 

@@ -45,7 +45,7 @@ from gradaccum._keras_common import (  # noqa: F401 (re-exported)
     set_compile_config,
     squeeze_or_expand_to_same_rank,
 )
-from gradaccum.backends.tensorflow.combine import deduplicated
+from gradaccum.backends.tensorflow.sums import deduplicated
 
 # (owner, attribute, parameters after `self` that gradaccum passes; None: an
 # attribute read, not called). Module-level functions have the module as owner.
@@ -381,7 +381,7 @@ def apply_gradients(optimizer, pairs) -> None:
     """`optimizer.apply_gradients(pairs)` as its class defines it: gradaccum's own
     update goes past the redirect that `gradaccum.accumulate` sets on a model's
     optimizers while its train_step runs (a public method, reached on the class).
-    A sparse gradient's repeated rows are summed first (`combine.deduplicated`)."""
+    A sparse gradient's repeated rows are summed first (`sums.deduplicated`)."""
     grads, variables = zip(*pairs) if pairs else ((), ())
     type(optimizer).apply(optimizer, [deduplicated(g) for g in grads], list(variables))
 

@@ -27,9 +27,9 @@ import contextlib
 import tensorflow as tf
 
 from gradaccum.backend_interface import Record
-from gradaccum.backends.tensorflow import combine as _combine
+from gradaccum.backends.tensorflow import finite
 from gradaccum.backends.tensorflow import keras_compat as kc
-from gradaccum.backends.tensorflow import screening
+from gradaccum.backends.tensorflow import sums as _sums
 from gradaccum.backends.tensorflow.branching import cond_kept_whole
 from gradaccum.core import messages, overwrite
 from gradaccum.core.state import RESET
@@ -116,13 +116,13 @@ class VariableRecord(ModuleRecord):
         return [v.dtype for v in self.accumulator.target_variables]
 
     def all_finite(self, gradients):
-        return screening.all_finite(gradients)
+        return finite.all_finite(gradients)
 
     def add_sums(self, gradients, factor, accept) -> None:
         layers = self.accumulator.batch_normalization_layers
 
         def add():
-            _combine.add_micro_batch(self.state.accumulators, gradients, factor)
+            _sums.add_micro_batch(self.state.accumulators, gradients, factor)
             for layer in layers:
                 layer._accept_micro_batch()
             return tf.constant(True)
@@ -257,7 +257,7 @@ def error_parts(code: str, micro_batch, at, value=None) -> list:
     """A graph assertion's message for an error of `code`: the words of
     `core.messages.error_message` around the tensors."""
     if code == "nonfinite":
-        words = screening.RAISE_WORDS
+        words = finite.RAISE_WORDS
         return [words[0], micro_batch, words[1], at, words[2]]
     if code == "negative_weight":
         around = messages.error_message("negative_weight", at="\x00").split("\x00")

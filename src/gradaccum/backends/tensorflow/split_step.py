@@ -7,7 +7,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from gradaccum.backends.tensorflow import exact_step, following
+from gradaccum.backends.tensorflow import following, step
 from gradaccum.backends.tensorflow import keras_compat as kc
 from gradaccum.backends.tensorflow import logs as _logs
 from gradaccum.backends.tensorflow import split as _split
@@ -73,7 +73,7 @@ def _exact_micro_batch(accumulation, micro, weighted, weights, batch, size):
     # The batch's length in micro-batches of the split's size: the window's last
     # micro-batch, however small, then expects only its own weight still to come.
     length = tf.cast(batch, tf.float32) / tf.cast(size, tf.float32)
-    y_pred, loss, weight, accepted = exact_step.micro_batch(
+    y_pred, loss, weight, accepted = step.micro_batch(
         accumulation, x, y, sample_weight, closes=False, length=length
     )
     _logs.tracked(accumulation, lambda: accumulation.host.compute_metrics(

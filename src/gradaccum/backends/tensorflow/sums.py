@@ -1,4 +1,4 @@
-"""The combination math: add a micro-batch, combine a window.
+"""The window's sums on TensorFlow: add a micro-batch in place, combine a window.
 
 A window of micro-batches ``i`` with gradients ``g_i`` and weights ``w_i`` becomes one
 update with the combined gradient
