@@ -38,9 +38,11 @@ class ModelOptions(AccumulationOptions, total=False):
     """What `AccumulatingModel` takes by keyword after `steps` and
     `convert_batch_norm`: the options, and Keras's `Model` arguments."""
 
-    name: str
+    name: str | None
     trainable: bool
     dtype: Any
+    autocast: bool
+    activity_regularizer: Any
 
 
 @keras.saving.register_keras_serializable(package="gradaccum")
@@ -76,7 +78,7 @@ class AccumulatingModel(keras.Model):
         steps: Steps | None = None,
         convert_batch_norm: bool = False,
         **kwargs: Unpack[ModelOptions],
-) -> None:
+    ) -> None:
         if not isinstance(model, keras.Model):
             raise ValueError(
                 "`model` must be a keras.Model. "

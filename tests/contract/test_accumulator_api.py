@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import keras
 import numpy as np
+import pytest
 
 import gradaccum
 from gradaccum.core.accumulator import Accumulator, StatefulAccumulator
@@ -34,6 +35,10 @@ def test_its_options_and_counters_read_alike_before_and_after_a_window():
     assert {name: float(acc.field(name).numpy()) for name in COUNTERS} == dict.fromkeys(
         COUNTERS, 0.0)
     assert set(acc.state_variables()) >= {"updates", "micro_step", "accumulator_0"}
+    assert np.asarray(acc.field("received").numpy()).tolist() == [0, 0]
+    with pytest.raises(ValueError, match=r"`name` must be a field of the window record "
+                                         r"\(total_weight, .*Received: name='accumulators'"):
+        acc.field("accumulators")
     if keras.backend.backend() == "jax":
         return  # the stateless verbs: tests/jax_backend/test_jax_accumulator.py
     optimizer = keras.optimizers.SGD(0.1)

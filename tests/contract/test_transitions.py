@@ -14,7 +14,7 @@ from gradaccum.core import loss_scaling, messages
 from gradaccum.core import state as declared
 from gradaccum.core import transitions as tr
 from gradaccum.core.policy import Policy
-from gradaccum.core.window import WindowSpec
+from gradaccum.core.window import WindowRule
 
 ops = keras.ops
 
@@ -106,7 +106,7 @@ def run(policy, record, batches, **kwargs):
 
 def test_a_window_of_three_applies_the_weighted_mean_once_and_resets():
     record = DictRecord()
-    policy = Policy(WindowSpec(steps=3))
+    policy = Policy(WindowRule(steps=3))
     run(policy, record, [(grads(1, 2), 1.0), (grads(4, 5), 2.0), (grads(7, 8), 1.0)])
     assert len(record.applied) == 1
     # sum(w g) / sum(w): (1 + 8 + 7) / 4 and (2 + 10 + 8) / 4.
@@ -124,7 +124,7 @@ def test_a_window_of_three_applies_the_weighted_mean_once_and_resets():
 
 def test_before_the_window_is_due_nothing_is_applied():
     record = DictRecord()
-    policy = Policy(WindowSpec(steps=3))
+    policy = Policy(WindowRule(steps=3))
     run(policy, record, [(grads(1, 2), 1.0), (grads(4, 5), 2.0)])
     assert record.applied == []
     assert value(record, "micro_step") == 2 and value(record, "total_weight") == 3.0
@@ -134,7 +134,7 @@ def test_before_the_window_is_due_nothing_is_applied():
 
 def test_sum_reduction_adds_the_gradients_unweighted():
     record = DictRecord()
-    policy = Policy(WindowSpec(steps=2), reduction="sum")
+    policy = Policy(WindowRule(steps=2), reduction="sum")
     run(policy, record, [(grads(1, 2), 5.0), (grads(3, 4), 7.0)])
     np.testing.assert_allclose(record.applied[0][0], np.full(3, 4.0))
     assert value(record, "last_window_weight") == 12.0
@@ -142,7 +142,7 @@ def test_sum_reduction_adds_the_gradients_unweighted():
 
 def test_a_skipped_micro_batch_counts_towards_the_length_but_not_the_weight():
     record = DictRecord()
-    policy = Policy(WindowSpec(steps=2))
+    policy = Policy(WindowRule(steps=2))
     accepted = run(policy, record, [(grads(np.inf, 1), 3.0), (grads(2, 2), 1.0)])
     assert accepted == [False, True]
     np.testing.assert_allclose(record.applied[0][0], np.full(3, 2.0))
@@ -153,7 +153,7 @@ def test_a_skipped_micro_batch_counts_towards_the_length_but_not_the_weight():
 
 def test_a_window_of_only_skipped_micro_batches_closes_without_an_update():
     record = DictRecord()
-    policy = Policy(WindowSpec(steps=2))
+    policy = Policy(WindowRule(steps=2))
     run(policy, record, [(grads(np.nan, 1), 1.0), (grads(np.inf, 1), 1.0)])
     assert record.applied == []
     assert value(record, "updates") == 0 and value(record, "window_skipped") == 0
@@ -167,7 +167,7 @@ def test_a_window_of_only_skipped_micro_batches_closes_without_an_update():
 ])
 def test_the_nonfinite_policies(nonfinite, accepted, failures):
     record = DictRecord()
-    policy = Policy(WindowSpec(steps=4), nonfinite=nonfinite)
+    policy = Policy(WindowRule(steps=4), nonfinite=nonfinite)
     g = grads(1.0, 1.0) if callable(nonfinite) else grads(np.nan, 1.0)
     assert run(policy, record, [(g, 1.0)]) == accepted
     assert record.failures == failures
@@ -175,7 +175,7 @@ def test_the_nonfinite_policies(nonfinite, accepted, failures):
 
 def test_a_schedule_reads_each_windows_length_when_it_opens():
     record = DictRecord()
-    policy = Policy(WindowSpec(steps=[(0, 1), (2, 2), (4, 4)]))
+    policy = Policy(WindowRule(steps=[(0, 1), (2, 2), (4, 4)]))
     applied_after = []
     for i in range(14):
         run(policy, record, [(grads(1, 1), 1.0)])
@@ -187,7 +187,7 @@ def test_a_schedule_reads_each_windows_length_when_it_opens():
 
 def test_a_weight_budget_closes_at_the_first_micro_batch_that_reaches_it():
     record = DictRecord()
-    policy = Policy(WindowSpec(weight_per_update=10))
+    policy = Policy(WindowRule(weight_per_update=10))
     run(policy, record, [(grads(1, 1), w) for w in (4.0, 4.0, 4.0, 12.0, 3.0)])
     assert len(record.applied) == 2
     assert value(record, "last_window_weight") == 12.0
@@ -200,7 +200,7 @@ def test_a_weight_budget_closes_at_the_first_micro_batch_that_reaches_it():
 def test_the_end_of_the_data_treats_a_partial_window_as_partial_says(
         partial, applied, open_after):
     record = DictRecord()
-    policy = Policy(WindowSpec(steps=3), partial=partial)
+    policy = Policy(WindowRule(steps=3), partial=partial)
     run(policy, record, [(grads(1, 1), 1.0)], end=ops.convert_to_tensor(False))
     run(policy, record, [(grads(3, 3), 1.0)], end=ops.convert_to_tensor(True))
     assert len(record.applied) == applied
@@ -212,7 +212,7 @@ def test_the_end_of_the_data_treats_a_partial_window_as_partial_says(
 
 def test_a_missing_gradient_counts_as_zero_and_is_not_received():
     record = DictRecord()
-    policy = Policy(WindowSpec(steps=2))
+    policy = Policy(WindowRule(steps=2))
     run(policy, record, [([np.ones(3, "float32"), None], 1.0),
                          (grads(3, 5), 1.0)])
     np.testing.assert_allclose(record.applied[0][0], np.full(3, 2.0))
@@ -221,7 +221,7 @@ def test_a_missing_gradient_counts_as_zero_and_is_not_received():
 
 def test_a_window_of_one_is_applied_from_the_gradients_themselves():
     record = DictRecord()
-    policy = Policy(WindowSpec(steps=1))
+    policy = Policy(WindowRule(steps=1))
     run(policy, record, [(grads(3, 4), 2.0)], direct=True)
     np.testing.assert_allclose(record.applied[0][0], np.full(3, 3.0))
     assert all(not np.any(np.asarray(s)) for s in record.sums())  # never touched
@@ -233,7 +233,7 @@ def test_a_window_of_one_is_applied_from_the_gradients_themselves():
 def test_loss_scaling_unscales_backs_off_and_grows_as_keras_counts():
     record = DictRecord(loss_scale=(ops.convert_to_tensor(0, "int32"),
                                     ops.convert_to_tensor(4.0, "float32")))
-    policy = Policy(WindowSpec(steps=2))
+    policy = Policy(WindowRule(steps=2))
     # Gradients of the scaled loss (scale 4): unscaled into the sums, weighted.
     run(policy, record, [(grads(4, 8), 1.0)], loss_scale=2)
     np.testing.assert_allclose(np.asarray(record.sums()[0]), np.full(3, 1.0))
@@ -254,7 +254,7 @@ def test_grown_by_counts_several_finite_steps_at_once():
 
 def test_a_callable_weight_below_zero_fails_and_counts_as_zero():
     record = DictRecord()
-    policy = Policy(WindowSpec(steps=2), weighting=lambda x, y, sw: -1.0)
+    policy = Policy(WindowRule(steps=2), weighting=lambda x, y, sw: -1.0)
     weight = tr.weigh(policy, np.ones((2, 1)), None, None, [], record)
     assert float(weight) == 0.0
     assert record.failures == [("negative_weight", 1)]
@@ -262,7 +262,7 @@ def test_a_callable_weight_below_zero_fails_and_counts_as_zero():
 
 def test_a_callable_weight_of_nan_fails_as_a_negative_one_does():
     record = DictRecord()
-    policy = Policy(WindowSpec(steps=2), weighting=lambda x, y, sw: float("nan"))
+    policy = Policy(WindowRule(steps=2), weighting=lambda x, y, sw: float("nan"))
     weight = tr.weigh(policy, np.ones((2, 1)), None, None, [], record)
     assert float(weight) == 0.0
     assert record.failures == [("negative_weight", 1)]
@@ -270,7 +270,7 @@ def test_a_callable_weight_of_nan_fails_as_a_negative_one_does():
 
 def test_exact_weighting_takes_the_first_normalizer_or_the_size_with_a_warning():
     record = DictRecord()
-    policy = Policy(WindowSpec(steps=2), weighting="exact")
+    policy = Policy(WindowRule(steps=2), weighting="exact")
     assert float(tr.weigh(policy, np.ones((5, 1)), None, None, [7.0], record)) == 7.0
     with pytest.warns(UserWarning, match="found no compiled loss"):
         assert float(tr.weigh(policy, np.ones((5, 1)), None, None, [], record)) == 5.0
@@ -286,11 +286,11 @@ def test_decide_under_each_partial_policy():
         ("flush", True, False): (True, True),
     }
     for (partial, is_due, end), expected in cases.items():
-        apply, close = tr.decide(Policy(WindowSpec(steps=2), partial=partial),
+        apply, close = tr.decide(Policy(WindowRule(steps=2), partial=partial),
                                  yes if is_due else no, yes if end else no)
         assert (bool(apply), bool(close)) == expected, (partial, is_due, end)
     # An error closes nothing.
-    apply, close = tr.decide(Policy(WindowSpec(steps=2), partial="flush"), yes, yes,
+    apply, close = tr.decide(Policy(WindowRule(steps=2), partial="flush"), yes, yes,
                              ok=no)
     assert not bool(apply) and not bool(close)
 

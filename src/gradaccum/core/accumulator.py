@@ -15,6 +15,7 @@ import abc
 from collections.abc import Sequence
 from typing import Any
 
+from gradaccum.core.state import WINDOW_NAMES
 from gradaccum.core.window import WindowRule
 
 
@@ -32,9 +33,20 @@ class Accumulator(abc.ABC):
     # When a window is due (`core.window.WindowRule`), set by each backend.
     _rule: WindowRule
 
-    @abc.abstractmethod
     def field(self, name: str) -> Any:
-        """The state's field `name` (`core.state.WINDOW`) as a variable."""
+        """The window record's field `name` (`core.state.WINDOW`: `updates`,
+        `micro_step`, `total_weight`, `received`, ...) as the backend's variable
+        (`numpy()`, `assign`)."""
+        if name not in WINDOW_NAMES:
+            raise ValueError(
+                f"`name` must be a field of the window record ({', '.join(WINDOW_NAMES)}). "
+                f"Received: name={name!r}"
+            )
+        return self._field(name)
+
+    @abc.abstractmethod
+    def _field(self, name: str) -> Any:
+        """The field `name` as the backend holds it."""
 
     @abc.abstractmethod
     def state_variables(self) -> dict:

@@ -155,7 +155,7 @@ class GradientAccumulator(Packed, Accumulator):
             self.weights = keras.Variable(np.asarray(initial["weights"], weight_dtype),
                                           trainable=False, name="weights")
 
-    def field(self, name: str) -> Any:
+    def _field(self, name: str) -> Any:
         """The state's field `name` as a view of its packed vector (`numpy`,
         `assign`, `value`)."""
         return Packed.__getattr__(self, name)

@@ -246,7 +246,7 @@ class GradientAccumulator(tf.Module, StatefulAccumulator):
         """One accumulator variable per target variable (weighted gradient sums)."""
         return list(self.state.accumulators)
 
-    def field(self, name: str) -> tf.Variable:
+    def _field(self, name: str) -> tf.Variable:
         """The state's field `name` (a variable of `state.AccumulatorState`)."""
         return getattr(self.state, name)
 

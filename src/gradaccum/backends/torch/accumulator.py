@@ -141,7 +141,7 @@ class GradientAccumulator(StatefulAccumulator):
     def accumulators(self) -> list:
         return list(self.state.accumulators)
 
-    def field(self, name: str) -> Any:
+    def _field(self, name: str) -> Any:
         """The state's field `name` as a variable."""
         return self.state.variables[name]
 
