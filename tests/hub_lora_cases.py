@@ -45,7 +45,7 @@ def _bert_classifier(seed: int = 0):
     tokenizer = keras_hub.models.BertTokenizer(vocabulary=vocabulary, lowercase=True)
     preprocessor = keras_hub.models.BertTextClassifierPreprocessor(tokenizer, sequence_length=16)
     backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=len(vocabulary), num_layers=2, num_heads=2, hidden_dim=16,
+        vocabulary_size=len(vocabulary), num_layers=1, num_heads=2, hidden_dim=16,
         intermediate_dim=32, max_sequence_length=16, dropout=0.0,
     )
     task = keras_hub.models.BertTextClassifier(
