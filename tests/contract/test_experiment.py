@@ -9,6 +9,8 @@ up to a digit that rounding flips.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -16,6 +18,7 @@ import sys
 
 import keras
 import numpy as np
+import pytest
 
 from gradaccum import cli
 from gradaccum._backend import NAMES
@@ -34,11 +37,21 @@ def accuracies(out):
     return {row["label"]: [run["accuracy"] for run in row["runs"]] for row in rows}
 
 
-def test_a_sweep_on_this_backend_gives_the_splits_the_same_accuracy_run_by_run(
-        capsys, small_npz, tmp_path):
-    code = cli.main([*SWEEP, "--data", str(small_npz), "--jobs", "1", "--out", str(tmp_path)])
+@pytest.fixture(scope="module")
+def in_this_process(small_npz, tmp_path_factory):
+    """The sweep run once in this process (`--jobs 1`): its folder and printed lines,
+    which both tests read (the suite's time: one sweep, not two)."""
+    out = tmp_path_factory.mktemp("jobs1")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = cli.main([*SWEEP, "--data", str(small_npz), "--jobs", "1", "--out", str(out)])
     assert code == 0
-    lines = capsys.readouterr().out.splitlines()
+    return out, printed.getvalue().splitlines()
+
+
+def test_a_sweep_on_this_backend_gives_the_splits_the_same_accuracy_run_by_run(
+        in_this_process):
+    tmp_path, lines = in_this_process
     assert lines[0].startswith("data: mnist (")
     assert lines[1].endswith(f"seed 0; {NAMES[BACKEND]}, 1 process")
     runs = accuracies(tmp_path)
@@ -53,12 +66,10 @@ def test_a_sweep_on_this_backend_gives_the_splits_the_same_accuracy_run_by_run(
 
 
 def test_runs_in_two_processes_give_the_results_of_one_and_print_no_start_up_lines(
-        capsys, small_npz, tmp_path):
+        in_this_process, small_npz, tmp_path):
     """`--jobs 2`: two fresh interpreters on this backend, each run's result that of
     the same run in this process; stderr stays empty (no library start-up lines)."""
-    one, two = tmp_path / "jobs1", tmp_path / "jobs2"
-    assert cli.main([*SWEEP, "--data", str(small_npz), "--jobs", "1", "--out", str(one)]) == 0
-    capsys.readouterr()
+    one, two = in_this_process[0], tmp_path / "jobs2"
     env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
     done = subprocess.run(
         [sys.executable, "-m", "gradaccum", *SWEEP, "--data", str(small_npz), "--backend",
