@@ -1,5 +1,6 @@
 """Test session set-up shared by tests/ and the doctests under src/."""
 
+import functools
 import importlib.util
 import os
 import pathlib
@@ -24,6 +25,37 @@ def _tiers():
 
 
 TIERS = _tiers()
+ROOT = pathlib.Path(__file__).resolve().parent
+
+
+@functools.cache
+def _shares_fixtures(module: str) -> bool:
+    """Whether the test module `module` (a path from the root) defines a fixture that
+    its tests share (module- or class-scoped: a built site, a trained task)."""
+    path = ROOT / module
+    if path.suffix != ".py" or not path.is_file():
+        return False
+    source = path.read_text()
+    return 'scope="module"' in source or 'scope="class"' in source
+
+
+if importlib.util.find_spec("xdist") is not None:
+
+    def pytest_xdist_make_scheduler(config, log):
+        """xdist's `load` distribution, except that the tests of a module with a
+        shared fixture go to one worker, which makes the fixture once (not once per
+        worker that runs one of them). xdist's own `loadgroup` cannot do it under
+        pytest 9, whose node ids it can no longer rename."""
+        if config.getvalue("dist") != "load":
+            return None
+        from xdist.scheduler import LoadScopeScheduling
+
+        class SharedFixtureScheduling(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                module = nodeid.split("::")[0]
+                return module if _shares_fixtures(module) else nodeid
+
+        return SharedFixtureScheduling(config, log)
 
 
 def pytest_ignore_collect(collection_path, config):
