@@ -215,22 +215,20 @@ class Options:
     def __init__(self, *, runner: ScheduleRunner | None = None, steps: Steps | None = None,
                  **options: Unpack[AccumulationOptions]) -> None:
         values = {**DEFAULTS, **given(options)}
-        micro_batch_size, max_micro_batch_size = (values["micro_batch_size"],
-                                                  values["max_micro_batch_size"])
-        weight_per_update, weighting = values["weight_per_update"], values["weighting"]
-        partial, reduction = values["partial"], values["reduction"]
-        nonfinite, privacy = values["nonfinite"], values["privacy"]
+        partial, weighting, reduction = (values["partial"], values["weighting"],
+                                         values["reduction"])
         self.partial = check_choice("partial", partial, PARTIALS)
         self.micro_batch_size, self.max_micro_batch_size = check_window_options(
-            steps, micro_batch_size, max_micro_batch_size, partial, weight_per_update
+            steps, values["micro_batch_size"], values["max_micro_batch_size"], partial,
+            values["weight_per_update"]
         )
         # When a window closes, checked now (a schedule's callable is tried on
         # update 0) and shared by every accumulator of the fit.
-        self.window = WindowRule(steps, weight_per_update, runner)
+        self.window = WindowRule(steps, values["weight_per_update"], runner)
         self.weighting = check_weighting(weighting)
         self.reduction = check_choice("reduction", reduction, REDUCTIONS)
         self.accumulator_dtype = accumulator_dtype_name(values["accumulator_dtype"])
-        self.nonfinite = check_nonfinite(nonfinite)
+        self.nonfinite = check_nonfinite(values["nonfinite"])
         self.moving_statistics = check_choice("moving_statistics",
                                               values["moving_statistics"], MOVING_MODES)
         if self.auto and (self.weighting == "uniform" or self.reduction == "sum"):
@@ -241,7 +239,7 @@ class Options:
                 f"reduction={reduction!r}"
             )
         # Differentially private training (`gradaccum.Privacy`), or None.
-        self.privacy = check_privacy(privacy)
+        self.privacy = check_privacy(values["privacy"])
         if self.privacy is not None:
             check_private_options(self)
 
