@@ -138,9 +138,9 @@ def memory(rows):
                         if r["mode"] == mode)
         ax.plot([p[0] for p in points], [p[1] for p in points], marker=marker,
                 color=COLOURS[name], label=label)
+    batches = sorted({r["effective_batch"] for r in rows})
     ax.set_xscale("log", base=2)
-    ax.set_xticks([p for p in sorted({r["effective_batch"] for r in rows})],
-                  [str(p) for p in sorted({r["effective_batch"] for r in rows})])
+    ax.set_xticks(batches, [str(b) for b in batches])
     ax.set_xlabel("effective batch B (samples per update)")
     ax.set_ylabel("peak memory (MiB, process RSS)")
     ax.set_ylim(bottom=0)
@@ -156,6 +156,8 @@ def gpu(rows):
     each contender's samples per second over plain fit's (the median of per-repeat
     ratios, min-max as bars), and the peak device memory of plain fit at b,
     accumulate and plain fit at k x b."""
+    from matplotlib.patches import Patch
+
     configs = {r["run"]: r for r in rows if r["kind"] == "config"}
     current = {run for run, c in configs.items()
                if c["environment"]["gradaccum"] == "src/gradaccum"}
@@ -165,6 +167,7 @@ def gpu(rows):
         if configs[run]["mode"] == "throughput" and "accumulate/plain" in ratios:
             cells.append((configs[run], ratios))
     memory_rows = [r for r in rows if r["kind"] == "memory" and r["run"] in current]
+    b, k, sequence = (cells[0][0][key] for key in ("micro_batch", "k", "sequence"))
     figure, (left, right) = _figure(3.6, ncols=2, width_ratios=[3, 2])
     width = 0.38
     for offset, (name, ratio) in enumerate((("Keras's built-in", "builtin/plain"),
@@ -186,21 +189,20 @@ def gpu(rows):
     left.set_ylim(0.8, 1.1)
     left.set_ylabel("samples/s over plain fit at b\n(the axis starts at 0.8)")
     left.set_title("Speed")
-    contenders = {"plain": ("plain fit at b", "plain fit\nb = 8"),
-                  "accumulate": ("gradaccum", "gradaccum\nb = 8, k = 4"),
-                  "plain_kb": ("plain fit at k×b", "plain fit\nb = 32")}
+    contenders = {"plain": ("plain fit at b", f"plain fit\nb = {b}"),
+                  "accumulate": ("gradaccum", f"gradaccum\nb = {b}, k = {k}"),
+                  "plain_kb": ("plain fit at k×b", f"plain fit\nb = {k * b}")}
     right.bar([contenders[r["contender"]][1] for r in memory_rows],
               [r["device_peak_mib"] / 1024 for r in memory_rows],
               color=[COLOURS[contenders[r["contender"]][0]] for r in memory_rows])
     right.set_ylabel("peak device memory (GiB)")
-    right.set_title("Memory (JAX, float32)")
+    right.set_title(f"Memory ({BACKENDS[memory_rows[0]['backend']]}, "
+                    f"{memory_rows[0]['precision']})")
     handles = left.get_legend_handles_labels()
-    from matplotlib.patches import Patch
-
     handles[0].append(Patch(color=COLOURS["plain fit at k×b"]))
     handles[1].append("plain fit at k×b")
     device = next(iter(configs.values()))["environment"]["device"]["name"].split(" ", 1)[1]
-    figure.suptitle(f"GPT-2 124M on one {device}: b = 8, k = 4, sequence 512")
+    figure.suptitle(f"GPT-2 124M on one {device}: b = {b}, k = {k}, sequence {sequence}")
     figure.legend(*handles, loc="outside lower center", ncols=4, frameon=False)
     return figure
 
