@@ -8,8 +8,8 @@ H200; and the tables `benchmarks/equal.py --write` wrote into BENCHMARKS.md).
 Writes four PNG files:
 
 - `throughput.png`: per workload, micro-batch size b and window length k, the samples
-  per second of gradaccum's `accumulate` and of Keras's `gradient_accumulation_steps`,
-  each over plain `fit` at b (TensorFlow, CPU);
+  per second of gradaccum (its `wrap`, which those rows measured) and of Keras's
+  `gradient_accumulation_steps`, each over plain `fit` at b (TensorFlow, CPU);
 - `memory.png`: peak memory against the effective batch B, plain `fit` at B and
   gradaccum at b = 32;
 - `gpu.png`: the GPU cell per backend and precision (samples per second of Keras's
