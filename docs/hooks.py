@@ -19,3 +19,12 @@ def on_pre_build(config, **kwargs) -> None:
     house = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(house)
     (ROOT / "docs" / "figures" / "house.svg").write_text(house.svg())
+    draw_accumulation()
+
+
+def draw_accumulation() -> None:
+    """The first page's picture of a window (`scripts/diagram.py`)."""
+    spec = importlib.util.spec_from_file_location("diagram", ROOT / "scripts" / "diagram.py")
+    diagram = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(diagram)
+    diagram.main([str(ROOT / "docs" / "figures" / "accumulation.svg")])
