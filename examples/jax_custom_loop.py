@@ -1,11 +1,16 @@
-"""A custom training loop on Keras's JAX backend with gradaccum's GradientAccumulator.
+"""JAX: a custom training loop with gradaccum's GradientAccumulator.
+
+For Keras's JAX backend (it sets `KERAS_BACKEND` itself). For TensorFlow see
+`custom_loop.py`, for PyTorch `torch_custom_loop.py`.
 
 The loop is keras.io's "Writing a training loop from scratch in JAX": the state is
 arrays (`model.stateless_call`, `jax.value_and_grad`, `optimizer.stateless_apply`),
 passed through one jitted step. The accumulator's state travels with them, and
 `acc.stateless_step` replaces `optimizer.stateless_apply`: micro-batches of unequal
 size (16, 16, 8) make one update per window of 40 samples, equal to one step on the
-whole window, and the last window of the data (a partial one) is flushed.
+whole window, and the last window of the data (a partial one) is flushed. It
+prints the largest gap between its weights and those of Keras's own step on each
+window as one large batch: float rounding.
 
     python examples/jax_custom_loop.py
 """
