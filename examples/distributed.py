@@ -1,4 +1,4 @@
-"""Gradient accumulation under tf.distribute: one all-reduce per update.
+"""TensorFlow: gradient accumulation under tf.distribute, one all-reduce per update.
 
     python examples/distributed.py                  # MirroredStrategy on this machine
     TF_CONFIG='...' python examples/distributed.py  # one worker of a multi-worker job
@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 
+os.environ["KERAS_BACKEND"] = "tensorflow"  # tf.distribute is TensorFlow's
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf  # noqa: E402
@@ -30,9 +31,12 @@ def strategy_for_this_process():
     if len(gpus) >= 2:
         return tf.distribute.MirroredStrategy()
     cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * 2
-    )
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+        )
+    except RuntimeError:  # TensorFlow has started already: its devices stay
+        pass
     return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 
 

@@ -359,13 +359,3 @@ def test_bad_calls_are_refused():
         manual.stateless_step(optimizer, grads, trainable, opt,
                               [v.value for v in manual.variables])
 
-
-def test_the_example_follows_the_guides_loop_and_equals_the_large_batch():
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "jax_custom_loop.py"
-    spec = importlib.util.spec_from_file_location("jax_custom_loop", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    assert example.main() < 1e-6

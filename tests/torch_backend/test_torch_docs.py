@@ -1,5 +1,6 @@
-"""The blocks of the README and the docs for Keras's PyTorch backend run as written, and
-the examples in the PyTorch adapter's docstrings."""
+"""The blocks of the README and the docs for Keras's PyTorch backend run as written,
+the examples for PyTorch (`python examples/torch_custom_loop.py`), and the examples in
+the PyTorch adapter's docstrings."""
 
 from __future__ import annotations
 
@@ -8,14 +9,27 @@ import importlib
 
 import pytest
 
-from test_docs import documented_blocks
+from test_docs import documented_blocks, examples_for, printed_gap, run_block, run_example
 
 BLOCKS = documented_blocks("torch")
+EXAMPLES = examples_for("torch")
 
 
 @pytest.mark.parametrize("label, code", BLOCKS, ids=[label for label, _ in BLOCKS])
-def test_documented_torch_block_runs(label, code):
-    exec(compile(code, label, "exec"), {"__name__": "docs"})
+def test_documented_torch_block_runs(label, code, monkeypatch):
+    run_block(code, label, "torch", monkeypatch)
+
+
+def test_there_is_an_example_for_pytorch():
+    assert [path.name for path in EXAMPLES] == ["torch_custom_loop.py"]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[path.name for path in EXAMPLES])
+def test_the_torch_example_runs_as_written(path, monkeypatch, capsys):
+    # Micro-batches of 16, 16 and 8 against one step on each window of 40.
+    output = run_example(path, "torch", monkeypatch, capsys)
+    assert "updates: 11 (micro-batches: 32)" in output
+    assert printed_gap(output) < 1e-5
 
 
 @pytest.mark.parametrize("module", ["gradaccum.backends.torch.accumulator"])
