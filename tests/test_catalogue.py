@@ -1,11 +1,10 @@
-"""Every row of docs/bad-input.md: the input is refused with exactly that message."""
+"""Every entry of the catalogue of bad inputs (docs/bad-input.md and the pages of
+docs/bad-input/): the input is refused with exactly that message."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import pathlib
-import re
 import shutil
 import tempfile
 
@@ -15,9 +14,9 @@ import pytest
 import tensorflow as tf
 
 import gradaccum
+from catalogue_pages import entries
 from conftest import make_data, make_mlp
 
-DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "bad-input.md"
 SCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
@@ -469,18 +468,7 @@ CASES = {
 }
 
 
-def catalogue_rows():
-    """(id, error type, message) for each row of the catalogue's tables."""
-    rows = []
-    pattern = re.compile(r"^\| `([a-z0-9-]+)` \|.*\| (\w+) \| `` (.*) `` \|$")
-    for line in DOC.read_text().splitlines():
-        match = pattern.match(line)
-        if match:
-            rows.append(match.groups())
-    return rows
-
-
-ROWS = catalogue_rows()
+ROWS = entries()
 
 
 def test_every_case_has_a_row_and_every_row_a_case():
@@ -497,3 +485,16 @@ def test_catalogue_row(row):
         CASES[case]()
     text = info.value.message if error == "InvalidArgumentError" else str(info.value)
     assert text == message
+
+
+def test_an_entry_the_catalogue_cannot_read_is_an_error(tmp_path, monkeypatch):
+    import catalogue_pages
+
+    page = tmp_path / "bad-input.md"
+    page.write_text("- **`steps`**: not an integer. ValueError:\n\n    `` `steps` ``\n")
+    monkeypatch.setattr(catalogue_pages, "PAGES", [page])
+    with pytest.raises(ValueError, match="an entry the catalogue cannot read"):
+        catalogue_pages.entries()
+    page.write_text("Some text.\n\n    `` `steps` must be ``\n")
+    with pytest.raises(ValueError, match="a message without its entry"):
+        catalogue_pages.entries()

@@ -1,11 +1,11 @@
-"""What gradaccum refuses on PyTorch, each with its fixed-form message: the rows of
-docs/bad-input.md for `accumulate`, `wrap`, `compile` and `fit`, character for
-character as on TensorFlow and JAX, and what the torch step raises while it runs
-(a schedule's zero, a negative weight, a non-finite gradient under `"raise"`)."""
+"""What gradaccum refuses on PyTorch, each with its fixed-form message: the entries of
+the catalogue of bad inputs (docs/bad-input.md and docs/bad-input/) for `accumulate`,
+`wrap`, `compile` and `fit`, character for character as on TensorFlow and JAX, and
+what the torch step raises while it runs (a schedule's zero, a negative weight, a
+non-finite gradient under `"raise"`)."""
 
 from __future__ import annotations
 
-import pathlib
 import re
 
 import keras
@@ -15,8 +15,7 @@ import torch
 from largebatch import SCE, data, mlp
 
 import gradaccum
-
-DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "bad-input.md"
+from catalogue_pages import entries
 
 
 def _mlp5():
@@ -157,18 +156,8 @@ CASES = {
 }
 
 
-def _catalogue_rows():
-    """{id: (error type, message)} of the catalogue's tables."""
-    pattern = re.compile(r"^\| `([a-z0-9-]+)` \|.*\| (\w+) \| `` (.*) `` \|$")
-    rows = {}
-    for line in DOC.read_text().splitlines():
-        match = pattern.match(line)
-        if match:
-            rows[match.group(1)] = match.group(2), match.group(3)
-    return rows
-
-
-ROWS = _catalogue_rows()
+# {name: (error type, message)} of every entry of the catalogue.
+ROWS = {name: (error, message) for name, error, message in entries()}
 
 
 def test_every_case_is_a_row_of_the_catalogue():
