@@ -5,15 +5,68 @@
 docs/SEMANTICS.md, a byte-for-byte copy of the project's shared contract, has lists
 right under a paragraph line, which Python-Markdown prints as part of the paragraph:
 `on_page_markdown` puts the missing blank line before them on that page
-(tests/test_markdown.py checks the page as rendered)."""
+(tests/test_markdown.py checks the page as rendered).
+
+The site's name carries the package's version (`gradaccum.__version__`, read from the
+source as setuptools reads it, without importing the package), and MathJax, from the
+`docs` extra's django-static-mathjax (MathJax's own files, packaged for Python), is
+copied into the site under assets/mathjax/, so formulas render without fetching
+anything at run time."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import pathlib
 import re
 
+from mkdocs.exceptions import PluginError
+from mkdocs.structure.files import File
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+MATHJAX = "assets/mathjax"
+# MathJax's whole TeX input (no extension loaded at run time) and CommonHTML output,
+# and the fonts that output loads from beside it.
+MATHJAX_FILES = ("tex-chtml-full.js", "output/chtml/fonts/woff-v2/*.woff")
+
+
+def version() -> str:
+    """`gradaccum.__version__`, read from src/gradaccum/__init__.py."""
+    tree = ast.parse((ROOT / "src" / "gradaccum" / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+                getattr(target, "id", None) == "__version__" for target in node.targets):
+            return ast.literal_eval(node.value)
+    raise PluginError("src/gradaccum/__init__.py sets no __version__")
+
+
+def mathjax_root() -> pathlib.Path:
+    """MathJax's es5/ folder, as django-static-mathjax installs it."""
+    spec = importlib.util.find_spec("mathjax")
+    folder = None
+    if spec is not None and spec.submodule_search_locations:
+        folder = pathlib.Path(list(spec.submodule_search_locations)[0]) / "static" / (
+            "mathjax") / "es5"
+    if folder is None or not (folder / MATHJAX_FILES[0]).is_file():
+        raise PluginError("MathJax is not installed: the `docs` extra brings it "
+                          "(pip install -e '.[docs]', or bash scripts/docs.sh)")
+    return folder
+
+
+def on_config(config, **kwargs):
+    config.site_name = f"{config.site_name} {version()}"
+    return config
+
+
+def on_files(files, config, **kwargs):
+    root = mathjax_root()
+    # Its licence (Apache 2.0) goes with it.
+    for path in [root.parent / "LICENSE",
+                 *(path for pattern in MATHJAX_FILES for path in sorted(root.glob(pattern)))]:
+        uri = f"{MATHJAX}/{path.relative_to(root).as_posix()}" if path.parent != (
+            root.parent) else f"{MATHJAX}/{path.name}"
+        files.append(File.generated(config, uri, abs_src_path=str(path)))
+    return files
 
 _FENCE = re.compile(r"^\s*(`{3,}|~{3,})")
 _ITEM = re.compile(r"^\s*([-*]|\d+\.)\s+\S")
