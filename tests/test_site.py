@@ -232,10 +232,15 @@ def test_the_performance_page_shows_the_figures_drawn_from_the_record(site):
 
 
 def _browser():
+    """A Chromium's command; None where there is none, or a failure where one is
+    required (GRADACCUM_REQUIRE_BROWSER, which .ci/run sets after installing it)."""
     for name in ("chromium", "chromium-browser", "google-chrome", "chrome"):
         found = shutil.which(name)
         if found:
             return found
+    if os.environ.get("GRADACCUM_REQUIRE_BROWSER"):
+        pytest.fail("no Chromium installed, and GRADACCUM_REQUIRE_BROWSER wants one "
+                    "(Debian: apt-get install --no-install-recommends chromium)")
     return None
 
 
