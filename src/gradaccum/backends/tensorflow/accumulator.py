@@ -51,37 +51,41 @@ __all__ = ["GradientAccumulator", "NONFINITE", "REDUCTIONS"]
 
 
 class GradientAccumulator(tf.Module, StatefulAccumulator):
-    """Accumulates micro-batch gradients and applies their combination.
+    r"""Accumulates micro-batch gradients and applies their combination.
 
-    A window of micro-batches with gradients `g_i` and weights `w_i` becomes one
-    update with `G = sum_i w_i g_i / sum_i w_i` (reduction `"mean"`), which is the
-    gradient on the concatenated window when `w_i` is the micro-batch's loss
-    normalizer. The accumulator keeps one float32 (by default) sum per variable,
-    the window's total weight and its counters (`state`). It works eagerly, inside
-    `tf.function` and with `jit_compile=True`; its state is TensorFlow variables, so
-    `tf.train.Checkpoint(accumulator=acc)` saves it and a run restored in the middle
-    of a window goes on exactly. Which variables an update touches follows from what
-    the window received at run time: a variable with no gradient in the whole
-    window is left out, as Keras leaves out a `None` gradient.
+    A window of micro-batches with gradients $g_i$ and weights $w_i$ becomes one
+    update with the gradient $G = \sum_i w_i g_i / \sum_i w_i$ (reduction
+    `"mean"`): the gradient of the whole window taken as one batch, when $w_i$ is
+    the micro-batch's loss normalizer.
 
-    Under `tf.distribute.MirroredStrategy` or `MultiWorkerMirroredStrategy` (model,
-    optimizer and accumulator created inside `strategy.scope()`; `step`, `accumulate`
-    and `apply` called inside `strategy.run`), every replica accumulates locally and
-    the update makes one batched cross-replica reduction of the sums and weight
-    totals: the result equals one device training on the global window, and the
-    optimizer's clipping acts on the reduced gradient. The `condition` of `apply_if`
-    (and so the window) must be the same on every replica.
+    The accumulator keeps one sum per variable (float32 by default), the window's
+    total weight and its counters (`state`). It works eagerly, inside `tf.function`
+    and with `jit_compile=True`. Its state is TensorFlow variables, so
+    `tf.train.Checkpoint(accumulator=acc)` saves it, and a run restored in the
+    middle of a window goes on exactly. An update touches the variables that had a
+    gradient in its window: one with no gradient in the whole window is left out, as
+    Keras leaves out a `None` gradient.
+
+    Several replicas: under `tf.distribute.MirroredStrategy` or
+    `MultiWorkerMirroredStrategy`, create the model, the optimizer and the
+    accumulator inside `strategy.scope()`, and call `step`, `accumulate` and `apply`
+    inside `strategy.run`. Every replica accumulates locally; the update makes one
+    batched cross-replica reduction of the sums and weight totals. The result equals
+    one device training on the global window, and the optimizer's clipping acts on
+    the reduced gradient. The `condition` of `apply_if` (and so the window) must be
+    the same on every replica.
 
     Mixed precision: with a `keras.optimizers.LossScaleOptimizer`, pass gradients of
-    `optimizer.scale_loss(loss)`; each micro-batch is unscaled into the float32
-    accumulators, and one whose gradient is not finite is skipped with its weight
-    (`skipped` counts it). The update is applied by the inner optimizer. On one
-    device the loss scale backs off at the skipped micro-batch and grows after
-    `dynamic_growth_steps` finite ones, as Keras's does per step. Under a strategy
-    each replica screens its own share and the scale, the same on every replica,
-    changes at the update, from the window's counts carried in its one reduction:
-    it backs off once if any share of the window overflowed, else the window's
-    micro-batches count towards its growth.
+    `optimizer.scale_loss(loss)`. Each micro-batch is unscaled into the float32
+    sums; one whose gradient is not finite is skipped with its weight (`skipped`
+    counts it). The update is applied by the inner optimizer. On one device the loss
+    scale backs off at the skipped micro-batch and grows after
+    `dynamic_growth_steps` finite ones, as Keras's does per step.
+
+    Under a strategy each replica checks its own share, and the scale (the same on
+    every replica) changes at the update, from the counts the window's one reduction
+    carries: it backs off once if any share of the window overflowed; otherwise the
+    window's micro-batches count towards its growth.
 
     Args:
         variables: the (trainable) variables whose gradients are accumulated, in the
