@@ -91,38 +91,33 @@ class GradientAccumulator(tf.Module, StatefulAccumulator):
         variables: the (trainable) variables whose gradients are accumulated, in the
             order of the gradient lists passed to `accumulate` and `step`.
         steps: micro-batches per window, used by `step`: an integer >= 1, or a
-            schedule of the window's length by update index (counted from 0, the
-            position saved with the state): a list of `(from_update, k)` pairs,
-            sorted and starting at 0 (`[(0, 1), (2, 2), (4, 4)]`: two updates of 1
-            micro-batch, two of 2, then 4), or a callable `update_index -> int`
-            that gets an int64 scalar tensor and returns an integer >= 1 (it runs
-            in the traced step as a `tf.function`: tensor arithmetic, TensorFlow
-            ops, or Python control flow that AutoGraph converts).
-            A window's length is read when it opens. `None` when the caller
-            decides when to `apply`.
+            schedule by update index (counted from 0): sorted `(from_update, k)`
+            pairs starting at 0, such as `[(0, 1), (2, 2), (4, 4)]`, or a callable
+            `update_index -> int` given an int64 scalar tensor (it runs in the
+            traced step: tensor arithmetic, TensorFlow ops, or Python control flow
+            that AutoGraph converts). A window's length is read when it opens.
+            `None` when the caller decides when to `apply`.
         weight_per_update: instead of `steps`, a weight budget: `step` closes the
             window at the first micro-batch after which the window's total weight
             reaches it (with token-count weights: about that many tokens per
             update). Under several replicas the total is the global window's (one
             scalar all-reduce per micro-batch).
-        reduction: `"mean"` (default): `G = sum(w_i g_i) / sum(w_i)`, which equals
-            the gradient on the concatenated window when `w_i` is the micro-batch's
-            loss normalizer (its batch size for a per-sample mean loss, its token
-            count for a per-token mean). `"sum"`: `G = sum(g_i)`, weights ignored
-            (the learning rate then scales with the window).
+        reduction: `"mean"` (default): $G = \sum_i w_i g_i / \sum_i w_i$, the
+            gradient of the whole window when $w_i$ is the micro-batch's loss
+            normalizer (its number of samples for a per-sample mean loss, its number
+            of tokens for a per-token mean). `"sum"`: $G = \sum_i g_i$, weights
+            ignored (the learning rate then scales with the window).
         accumulator_dtype: dtype of the accumulators; `"float32"` whatever the
             variables' dtype, so bfloat16/float16 gradients lose nothing.
-        nonfinite: what a micro-batch whose gradient holds an inf or a nan does.
-            `"skip"` (default): it is dropped with its weight (it still counts
+        nonfinite: what happens to a micro-batch whose gradient holds an inf or a
+            nan. `"skip"` (default): it is dropped with its weight (it still counts
             towards the window's length), `skipped` counts it, and a warning is
             shown once when running eagerly (`fit` warns too). `"raise"`: an
-            `InvalidArgumentError` naming the micro-batch (under `jit_compile` the
-            check cannot raise: the micro-batch is skipped and counted, and `fit`
-            raises after the compiled call). `"apply"`: it is accumulated as it is
-            (Keras's behaviour). Or a callable `gradients -> bool` (the list passed
-            to `accumulate`; a Python or tensor boolean): True skips the
-            micro-batch as `"skip"` does, without a warning (optax's
-            `should_skip_update_fn`). Under a LossScaleOptimizer non-finite
+            `InvalidArgumentError` naming the micro-batch (under `jit_compile`, it
+            is skipped and counted, and `fit` raises after the compiled call).
+            `"apply"`: it is accumulated as it is (Keras's behaviour). Or a callable
+            `gradients -> bool`, given the list passed to `accumulate` (as optax's
+            `should_skip_update_fn`): True skips the micro-batch without a warning. Under a LossScaleOptimizer such
             micro-batches are always skipped and the loss scale backs off.
         layers: a model or layers (or a list of them) whose
             `gradaccum.BatchNormalization` layers this accumulator drives: their
