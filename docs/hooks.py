@@ -97,7 +97,22 @@ def unglued(markdown: str) -> str:
     return "\n".join(lines)
 
 
+# The search's weight of a page (mkdocs-material's `search.boost`, 1 by default):
+# what a user looks for comes before the project's own records.
+SEARCH_BOOST = {
+    "troubleshooting.md": 2.0,
+    "experiment.md": 0.5,
+    "benchmarks.md": 0.5,
+    "development.md": 0.5,
+    "architecture.md": 0.5,
+    "adapters.md": 0.5,
+}
+
+
 def on_page_markdown(markdown: str, page, **kwargs) -> str:
+    boost = SEARCH_BOOST.get(page.file.src_uri)
+    if boost is not None:
+        page.meta.setdefault("search", {}).setdefault("boost", boost)
     if page.file.src_uri == "SEMANTICS.md":
         return unglued(markdown)
     return markdown
