@@ -15,13 +15,12 @@ anything at run time."""
 
 from __future__ import annotations
 
+# (mkdocs is imported where a build needs it: tests/test_markdown.py imports this
+# module for `unglued` without the `docs` extra.)
 import ast
 import importlib.util
 import pathlib
 import re
-
-from mkdocs.exceptions import PluginError
-from mkdocs.structure.files import File
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MATHJAX = "assets/mathjax"
@@ -32,6 +31,7 @@ MATHJAX_FILES = ("tex-chtml-full.js", "output/chtml/fonts/woff-v2/*.woff")
 
 def version() -> str:
     """`gradaccum.__version__`, read from src/gradaccum/__init__.py."""
+    from mkdocs.exceptions import PluginError
     tree = ast.parse((ROOT / "src" / "gradaccum" / "__init__.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(
@@ -42,6 +42,7 @@ def version() -> str:
 
 def mathjax_root() -> pathlib.Path:
     """MathJax's es5/ folder, as django-static-mathjax installs it."""
+    from mkdocs.exceptions import PluginError
     spec = importlib.util.find_spec("mathjax")
     folder = None
     if spec is not None and spec.submodule_search_locations:
@@ -54,11 +55,14 @@ def mathjax_root() -> pathlib.Path:
 
 
 def on_config(config, **kwargs):
-    config.site_name = f"{config.site_name} {version()}"
+    suffix = f" {version()}"
+    if not config.site_name.endswith(suffix):  # (`mkdocs serve` may come back here)
+        config.site_name += suffix
     return config
 
 
 def on_files(files, config, **kwargs):
+    from mkdocs.structure.files import File
     root = mathjax_root()
     # Its licence (Apache 2.0) goes with it.
     for path in [root.parent / "LICENSE",
