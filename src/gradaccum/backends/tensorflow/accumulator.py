@@ -117,8 +117,9 @@ class GradientAccumulator(tf.Module, StatefulAccumulator):
             is skipped and counted, and `fit` raises after the compiled call).
             `"apply"`: it is accumulated as it is (Keras's behaviour). Or a callable
             `gradients -> bool`, given the list passed to `accumulate` (as optax's
-            `should_skip_update_fn`): True skips the micro-batch without a warning. Under a LossScaleOptimizer such
-            micro-batches are always skipped and the loss scale backs off.
+            `should_skip_update_fn`): True skips the micro-batch without a warning.
+            Under a LossScaleOptimizer such micro-batches are always skipped and the
+            loss scale backs off.
         layers: a model or layers (or a list of them) whose
             `gradaccum.BatchNormalization` layers this accumulator drives: their
             moving statistics are updated once per update, from the window's pooled
