@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Builds the documentation site from docs/ and the docstrings (mkdocs-material and
-# mkdocstrings, the `docs` extra, installed into .venv on first use), and serves it at
-# http://127.0.0.1:8000 with live reload.
+# Builds the documentation site from docs/ and the docstrings (mkdocs-material,
+# mkdocstrings and MathJax, the `docs` extra, installed into .venv on first use), and
+# serves it at http://127.0.0.1:8000 with live reload. The site loads nothing from
+# outside: MathJax is copied into it (docs/hooks.py).
 #
 #   bash scripts/docs.sh          build into site/ (strict: a warning fails), then serve
 #   bash scripts/docs.sh build    build into site/ only

@@ -1,19 +1,25 @@
 """The documentation site builds as users would read it: `mkdocs build --strict`
 (every page in the nav, no broken reference, every docstring parsed), every internal
 link of the built site leads to a page and an anchor that exist, the API reference
-holds every public name of `gradaccum` and none of its private modules, and, where
-a Chromium is installed, a real browser loads the home page, a guide and the API
-page without a console error. The site builds with TensorFlow's Keras alone: JAX and
-PyTorch cannot be imported during the build (the test command installs PyTorch only
-for PyTorch's run), and their pages still hold their classes."""
+(one page per name or small group under api/) holds every public name of `gradaccum`
+and none of its private modules, with signatures no wider than the code blocks, each
+nav label is its page's title, and no page loads anything from outside the site (its
+formulas render with the MathJax the build copies in). Where a Chromium is installed
+(.ci/run installs Debian's), a real browser loads every page without a console error
+or a missing file, and sees a formula and a tabbed block rendered. The site builds
+with TensorFlow's Keras alone: JAX and PyTorch cannot be imported during the build
+(the test command installs PyTorch only for PyTorch's run), and their pages still
+hold their classes."""
 
 from __future__ import annotations
 
 import functools
+import html
 import html.parser
 import http.server
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -96,24 +102,124 @@ def test_every_internal_link_of_the_built_site_resolves(site):
     assert len(pages) >= 20
 
 
+def _api_pages(site) -> dict[pathlib.Path, str]:
+    return {path: path.read_text() for path in sorted((site / "api").rglob("index.html"))}
+
+
 def test_the_api_reference_holds_every_public_name_and_no_private_module(site):
-    page = _parsed(site / "api" / "index.html")
+    pages = _api_pages(site)
+    assert len(pages) >= 10, "the API reference is one page per name or small group"
+    ids = {path: _parsed(path).ids for path in pages}
+    every = set().union(*ids.values())
     for name in PUBLIC:
-        assert f"gradaccum.{name}" in page.ids, name
+        assert f"gradaccum.{name}" in every, name
     for backend in ("jax", "torch"):
-        assert f"gradaccum.backends.{backend}.accumulator.GradientAccumulator" in page.ids
-    text = (site / "api" / "index.html").read_text()
-    # Rendered from the docstrings, the doors' `{options}` lines filled with every
-    # option (docs/griffe_options.py, as `options.takes_options` does at import).
-    assert "{options}" not in text
+        assert f"gradaccum.backends.{backend}.accumulator.GradientAccumulator" in every
+    # Rendered from the docstrings, the `{options}` lines of `accumulate` and `wrap`
+    # filled with every option (docs/griffe_options.py, as `options.takes_options`
+    # does at import).
+    assert not [path for path, text in pages.items() if "{options}" in text]
     for door, after in (("accumulate", "disable"), ("wrap", "AccumulatingModel")):
+        text = next(text for path, text in pages.items()
+                    if f'id="gradaccum.{door}"' in text)
         section = text[text.index(f'id="gradaccum.{door}"'):
                        text.index(f'id="gradaccum.{after}"')]
         missing = [name for name in options.NAMES if f"<code>{name}</code>" not in section]
         assert not missing, (door, missing)
-    private = [i for i in page.ids if i.startswith("gradaccum.") and any(
+    private = [i for i in every if i.startswith("gradaccum.") and any(
         part.startswith("_") and not part.startswith("__") for part in i.split("."))]
     assert not private, private
+
+
+def test_each_backends_accumulator_has_a_page_and_a_table_of_contents_entry_of_its_own(
+        site):
+    titles = {}
+    for backend, name in (("tensorflow", "TensorFlow"), ("jax", "JAX"),
+                          ("pytorch", "PyTorch")):
+        text = (site / "api" / f"gradient-accumulator-{backend}" / "index.html").read_text()
+        titles[backend] = re.search(r"<title>(.*?)</title>", text).group(1)
+        toc = text[text.index('data-md-component="toc"'):]
+        assert f"GradientAccumulator ({name})" in toc, backend
+    assert len(set(titles.values())) == 3, titles
+
+
+def test_the_api_reference_shows_no_code_line_over_88_characters(site):
+    """Signatures are formatted (ruff or black, by mkdocstrings) to 88 characters, and
+    the docstrings' examples are written to that width."""
+    wide = []
+    for path, text in _api_pages(site).items():
+        for block in re.findall(r"<pre[^>]*>(.*?)</pre>", text, flags=re.S):
+            for line in html.unescape(re.sub(r"<[^>]+>", "", block)).splitlines():
+                if len(line) > 88:
+                    wide.append(f"{path.relative_to(site)}: {line}")
+    assert not wide, "\n".join(wide)
+
+
+def _nav(entries):
+    for entry in entries:
+        for label, target in entry.items():
+            if isinstance(target, list):
+                yield from _nav(target)
+            else:
+                yield label, target
+
+
+def _title(page: pathlib.Path) -> str:
+    text = page.read_text()
+    included = re.match(r'--8<-- "([^"]+)"', text)
+    if included:  # a page that is another file of the repository (BENCHMARKS.md)
+        text = (ROOT / included.group(1)).read_text()
+    return next(line[2:].strip() for line in text.splitlines() if line.startswith("# "))
+
+
+def test_each_nav_label_is_its_pages_title():
+    """What the navigation calls a page is what the page calls itself (its `# `
+    heading, code spans written plainly)."""
+    yaml = pytest.importorskip("yaml")
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    differ = [f"{target}: nav {label!r}, title {_title(ROOT / 'docs' / target)!r}"
+              for label, target in _nav(config["nav"])
+              if _title(ROOT / "docs" / target).replace("`", "") != label]
+    assert not differ, "\n".join(differ)
+
+
+def _assets(path: pathlib.Path) -> list[str]:
+    """What a built page loads: its scripts, stylesheets, images and frames."""
+    class Loads(html.parser.HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.loads = []
+
+        def handle_starttag(self, tag, attrs):
+            attrs = dict(attrs)
+            if tag in ("script", "img", "iframe", "source", "video", "audio") and (
+                    attrs.get("src")):
+                self.loads.append(attrs["src"])
+            if tag == "link" and attrs.get("href") and set(
+                    (attrs.get("rel") or "").split()) & {"stylesheet", "preload",
+                                                         "modulepreload", "icon"}:
+                self.loads.append(attrs["href"])
+
+    parser = Loads()
+    parser.feed(path.read_text(errors="replace"))
+    return parser.loads
+
+
+def test_no_page_loads_anything_from_outside_and_formulas_use_the_shipped_mathjax(site):
+    outside = [f"{path.relative_to(site)}: {src}" for path in sorted(site.rglob("*.html"))
+               for src in _assets(path) if urllib.parse.urlsplit(src).netloc
+               or src.startswith("//")]
+    assert not outside, "\n".join(outside[:20])
+    with_maths = [path for path in sorted(site.rglob("*.html"))
+                  if 'class="arithmatex"' in path.read_text()]
+    assert with_maths, "no page of the site has a formula"
+    for path in with_maths:
+        scripts = [(path.parent / src).resolve() for src in _assets(path)
+                   if src.endswith("tex-chtml-full.js")]
+        assert scripts and all(script.is_file() for script in scripts), path
+    fonts = site / "assets" / "mathjax" / "output" / "chtml" / "fonts" / "woff-v2"
+    assert len(list(fonts.glob("*.woff"))) >= 20
+    assert (site / "assets" / "mathjax" / "LICENSE").is_file()
 
 
 def test_the_performance_page_shows_the_figures_drawn_from_the_record(site):
@@ -126,10 +232,15 @@ def test_the_performance_page_shows_the_figures_drawn_from_the_record(site):
 
 
 def _browser():
+    """A Chromium's command; None where there is none, or a failure where one is
+    required (GRADACCUM_REQUIRE_BROWSER, which .ci/run sets after installing it)."""
     for name in ("chromium", "chromium-browser", "google-chrome", "chrome"):
         found = shutil.which(name)
         if found:
             return found
+    if os.environ.get("GRADACCUM_REQUIRE_BROWSER"):
+        pytest.fail("no Chromium installed, and GRADACCUM_REQUIRE_BROWSER wants one "
+                    "(Debian: apt-get install --no-install-recommends chromium)")
     return None
 
 
@@ -141,28 +252,36 @@ def served(site):
         def log_message(self, *args):
             pass
 
+        def log_request(self, code="-", size="-"):
+            if str(code) != "200":
+                missing.append(f"{code} {self.path}")
+
+    missing = []
     handler = functools.partial(Quiet, directory=str(site))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/"
+    # The site's address, and the list of what it was asked for and could not give.
+    yield f"http://127.0.0.1:{server.server_address[1]}/", missing
     server.shutdown()
 
 
-def _opened(browser, url, shot):
+def _opened(browser, url, shot=None):
     """Headless Chromium on `url`: its DOM after the scripts ran (3 s of the page's
-    timers given, so what a script does late is seen too), every line the page
+    timers given, so what a script does late is seen too), and every line the page
     wrote to its console (Chromium logs each one, whatever its level, as a CONSOLE
-    line), and a screenshot at `shot`."""
+    line); with `shot`, a screenshot there too."""
     common = [browser, "--headless", "--no-sandbox", "--disable-gpu",
               "--enable-logging=stderr", "--v=0", "--virtual-time-budget=3000"]
     dumped = subprocess.run([*common, "--dump-dom", url], capture_output=True, text=True,
                             timeout=120)
     assert dumped.returncode == 0, dumped.stderr[-2000:]
     console = [line for line in dumped.stderr.splitlines() if ":CONSOLE" in line]
-    captured = subprocess.run([*common, f"--screenshot={shot}", "--window-size=1280,900",
-                               url], capture_output=True, text=True, timeout=120)
-    assert captured.returncode == 0 and shot.exists(), captured.stderr[-2000:]
+    if shot is not None:
+        captured = subprocess.run([*common, f"--screenshot={shot}",
+                                   "--window-size=1280,900", url],
+                                  capture_output=True, text=True, timeout=120)
+        assert captured.returncode == 0 and shot.exists(), captured.stderr[-2000:]
     return dumped.stdout, console
 
 
@@ -180,8 +299,44 @@ def test_the_browser_check_sees_what_a_page_writes_to_its_console(tmp_path):
     assert any("Uncaught ReferenceError" in line for line in console), console
 
 
+def test_a_real_browser_loads_every_page_without_a_console_error_or_a_missing_file(
+        site, served, tmp_path):
+    """Every page of the built site, in headless Chromium: nothing written to the
+    console, nothing asked of the server that it does not have (an image, a script, a
+    font), the page's content there; formulas typeset by MathJax (its `mjx-container`
+    elements) and tabbed blocks set up by the theme's script."""
+    browser = _browser()
+    if browser is None:
+        pytest.skip("no Chromium installed (Debian: apt install chromium)")
+    address, missing = served
+    pages = sorted(path.relative_to(site) for path in site.rglob("*.html"))
+    assert len(pages) >= 20
+    failed, maths, tabs = [], 0, 0
+    for page in pages:
+        built = (site / page).read_text()
+        url = address + (page.as_posix()[:-len("index.html")]
+                         if page.name == "index.html" else page.as_posix())
+        dom, console = _opened(browser, url)
+        asked = list(missing)
+        missing.clear()
+        if console or asked:
+            failed.append(f"{page}: {console + asked}")
+        if 'class="md-content"' not in dom:
+            failed.append(f"{page}: no content")
+        if 'class="arithmatex"' in built:
+            maths += 1
+            if "<mjx-container" not in dom:
+                failed.append(f"{page}: a formula not typeset")
+        if 'class="tabbed-set' in built:
+            tabs += 1
+            if "tabbed-labels" not in dom or "tabbed-control" not in dom:
+                failed.append(f"{page}: a tabbed block not set up")
+    assert not failed, "\n".join(failed)
+    assert maths and tabs, (maths, tabs)
+
+
 @pytest.mark.parametrize("page", ["", "guides/fit/", "api/"])
-def test_a_real_browser_loads_the_page_without_console_errors(served, page, tmp_path):
+def test_a_page_looks_like_a_page(served, page, tmp_path):
     # Screenshots kept where GRADACCUM_SCREENSHOTS names a folder (to look at them).
     browser = _browser()
     if browser is None:
@@ -189,11 +344,6 @@ def test_a_real_browser_loads_the_page_without_console_errors(served, page, tmp_
     folder = pathlib.Path(os.environ.get("GRADACCUM_SCREENSHOTS", tmp_path))
     folder.mkdir(parents=True, exist_ok=True)
     shot = folder / ((page.strip("/").replace("/", "-") or "index") + ".png")
-    dom, console = _opened(browser, served + page, shot)
+    dom, _ = _opened(browser, served[0] + page, shot)
     assert "</html>" in dom and 'class="md-content"' in dom
-    # A clean page writes nothing to its console.
-    assert not console, console
-    if page.startswith("api"):
-        assert 'id="gradaccum.accumulate"' in dom
-        assert "gradaccum.backends.torch.accumulator.GradientAccumulator" in dom
     assert shot.stat().st_size > 20_000, "a blank screenshot"

@@ -52,43 +52,47 @@ def accumulate(
 ) -> keras.Model:
     """Makes `model`'s own `fit` train with exact gradient accumulation.
 
-    Each batch `fit` gives the model's training step is a micro-batch; every
-    `steps` micro-batches each optimizer makes one update with the combined
-    gradient, which equals one step on the concatenated window. Everything the
-    model's class defines runs unchanged: its `fit` (a KerasHub task applies its
-    preprocessor there), `compile` and its defaults, `train_step`, `compute_loss`,
-    `call`.
+    Each batch that `fit` passes to the model's training step becomes one
+    micro-batch. After every `steps` micro-batches (a window), each optimizer makes
+    one update with their combined gradient, which equals one step on the whole
+    window taken as one batch. Everything the model's class defines runs
+    unchanged: its `fit` (where a KerasHub task applies its preprocessor),
+    `compile` and its defaults, `train_step`, `compute_loss` and `call`.
 
     - A model that uses Keras's default `train_step` trains with gradaccum's exact
-      step: the model's own loss (`compute_loss`, the compiled loss, regularizers)
-      weighted by the micro-batch's normalizer.
-    - A model whose class defines `train_step` runs it; gradaccum accumulates what
-      it hands to an optimizer (`optimizer.apply_gradients` or `optimizer.apply`),
-      each optimizer of the model separately (a GAN's two), and applies each once
-      per window. The micro-batch's weight is the normalizer of the compiled loss
-      when the step computed it (`self.compute_loss`, `self.compiled_loss`), else
-      the micro-batch's size; `weighting="uniform"` or a callable overrides both.
+      step: the model's own loss (`compute_loss`, the compiled loss,
+      regularizers), weighted by the micro-batch's loss normalizer.
+    - A model whose class defines its own `train_step` runs it. gradaccum
+      accumulates what the step passes to an optimizer (`apply_gradients` or
+      `apply`), for each optimizer of the model separately (a GAN's two), and
+      applies each once per window. A micro-batch weighs the normalizer of the
+      compiled loss when the step computed it, else its number of samples;
+      `weighting="uniform"` or a callable overrides both.
 
-    The optimizer's `iterations`, schedules, clipping, weight decay and EMA count
-    updates. `fit`'s logs gain `updates` (the optimizer's update count),
-    `window_micro_batches` and `window_weight` (what the last update's window held)
-    and `skipped` (micro-batches dropped for a non-finite gradient). `compile`
-    defaults `steps_per_execution` to the window (`steps`; 1 under several replicas,
-    with a schedule or a weight budget); pass
-    it to choose (a model compiled before `accumulate` keeps its own).
-    `model.save()` writes the model as Keras would, with the open window inside the
-    `.keras` file (plain Keras loads it without; `gradaccum.load_model` brings it
-    back); `save_weights` (and so `keras.callbacks.BackupAndRestore`) writes the
-    open window beside the weights file (`<file>.gradaccum.npz`), so a run resumed
-    in the middle of a window goes on exactly.
+    The optimizer's `iterations`, learning-rate schedules, clipping, weight decay
+    and EMA count updates, not micro-batches. `fit`'s logs gain `updates` (the
+    optimizer's update count), `window_micro_batches` and `window_weight` (what the
+    last update was made of) and `skipped` (micro-batches dropped for a
+    non-finite gradient).
 
-    Split mode (`micro_batch_size` instead of `steps`): every batch the training
-    step receives is cut into micro-batches of at most that many samples, which run
-    one at a time; their gradients are combined exactly and the optimizer makes one
-    update per batch, equal to plain `fit` at that batch. Epochs, callbacks and
-    schedules then count updates. `"auto"` starts from the whole batch and, when a
-    step runs out of memory, rolls it back and runs the batch again with smaller
-    micro-batches (the size in use: `model.micro_batch_size` and the logs).
+    `compile` sets `steps_per_execution` to the window's length by default (1
+    under several replicas, with a schedule or with a weight budget); pass it to
+    choose. A model compiled before `accumulate` keeps its own.
+
+    Saving: `model.save()` writes the model as Keras would, with the open window
+    inside the `.keras` file (plain Keras loads it and ignores the window;
+    `gradaccum.load_model` brings it back). `save_weights`, and so
+    `keras.callbacks.BackupAndRestore`, writes the open window beside the weights
+    file (`<file>.gradaccum.npz`), so a run resumed in the middle of a window goes
+    on exactly.
+
+    Split mode (`micro_batch_size` instead of `steps`): `fit`'s batch is the
+    window. Every batch the training step receives is cut into micro-batches of at
+    most `micro_batch_size` samples, run one at a time, and makes one update equal
+    to plain `fit`'s on that batch; epochs, callbacks and schedules count updates.
+    With `"auto"` the whole batch is tried first; a step that runs out of memory is
+    rolled back and run again with smaller micro-batches (the size in use is
+    `model.micro_batch_size`, and is in the logs).
 
     Args:
         model: a `keras.Model`, compiled or not; it is returned.

@@ -153,10 +153,12 @@ def load_model(filepath: str | os.PathLike[str], custom_objects: dict[str, Any] 
         >>> model = gradaccum.accumulate(model, steps=4, partial="carry")
         >>> model.compile(keras.optimizers.SGD(0.1), "mse")
         >>> _ = model.fit(np.ones((12, 3)), np.zeros((12, 1)), batch_size=2, verbose=0)
-        >>> model.save("/tmp/gradaccum_example.keras")  # 6 micro-batches: 2 stay open
-        >>> loaded = gradaccum.load_model("/tmp/gradaccum_example.keras")
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "model.keras")
+        >>> model.save(path)  # 6 micro-batches: 2 stay open
+        >>> loaded = gradaccum.load_model(path)
         >>> loaded = gradaccum.accumulate(loaded, steps=4, partial="carry")
-        >>> gradaccum.attach.accumulation_of(loaded).open_micro_batches()
+        >>> gradaccum.end_of_data(loaded)  # the window's 2 micro-batches came back
         2
     """
     model = keras.saving.load_model(filepath, custom_objects=custom_objects,

@@ -10,17 +10,24 @@ from typing import Any, SupportsFloat, SupportsIndex, TypeAlias
 
 import numpy as np
 
-#: An integer: a Python int or anything with `__index__` (NumPy's integers).
 Integer: TypeAlias = SupportsIndex
-#: A real number: anything `float()` takes (a Python or NumPy number).
+"""An integer: a Python `int`, or anything with `__index__` (NumPy's integers)."""
+
 Real: TypeAlias = SupportsFloat
-#: `steps`: an integer, `(from_update, k)` pairs (tuples, lists or an `(n, 2)` array),
-#: or a callable `update_index -> k`.
+"""A real number: anything `float()` takes (Python's and NumPy's numbers)."""
+
 Steps: TypeAlias = (SupportsIndex | Sequence[Sequence[SupportsIndex]] | np.ndarray
                     | Callable[[Any], Any])
-#: `weighting`: "exact", "uniform", or a callable `(x, y, sample_weight) -> weight`.
+"""`steps`, the micro-batches per update: an integer; or a schedule, as
+`(from_update, k)` pairs (tuples, lists or an `(n, 2)` array) or a callable
+`update_index -> k`."""
+
 Weighting: TypeAlias = str | Callable[[Any, Any, Any], Any]
-#: `nonfinite`: "skip", "raise", "apply", or a callable `gradients -> bool` (True skips).
+"""`weighting`: `"exact"`, `"uniform"`, or a callable `(x, y, sample_weight) -> weight`."""
+
 Nonfinite: TypeAlias = str | Callable[[Any], Any]
-#: `accumulator_dtype`: a dtype's name ("float32") or a backend's or NumPy's dtype.
+"""`nonfinite`: `"skip"`, `"raise"`, `"apply"`, or a callable `gradients -> bool`
+(True skips the micro-batch)."""
+
 DType: TypeAlias = Any
+"""`accumulator_dtype`: a dtype's name (`"float32"`), or a backend's or NumPy's dtype."""

@@ -41,15 +41,19 @@ __all__ = ["GradientAccumulator"]
 
 
 class GradientAccumulator(Packed, Accumulator):
-    """Accumulates micro-batch gradients in a JAX training loop and applies their
+    r"""Accumulates micro-batch gradients in a JAX training loop and applies their
     combination, statelessly.
 
-    A window of micro-batches with gradients `g_i` and weights `w_i` becomes one
-    update with `G = sum_i w_i g_i / sum_i w_i` (reduction `"mean"`), the gradient on
-    the concatenated window when `w_i` is the micro-batch's loss normalizer. The
-    state is arrays, as Keras's optimizer's in `stateless_apply`: take
+    A window of micro-batches with gradients $g_i$ and weights $w_i$ becomes one
+    update with the gradient $G = \sum_i w_i g_i / \sum_i w_i$ (reduction
+    `"mean"`): the gradient of the whole window taken as one batch, when $w_i$ is
+    the micro-batch's loss normalizer.
+
+    Like Keras's optimizer on JAX (its `stateless_apply`), the accumulator keeps its
+    state as arrays that the training step takes and returns: take
     `[v.value for v in acc.variables]`, pass them through your jitted step with the
-    model's and the optimizer's, and assign them back when the loop ends.
+    model's and the optimizer's, and assign them back when the loop ends. Its
+    methods:
 
     - `stateless_step(optimizer, grads, trainable, optimizer_variables,
       accumulator_variables, weight=n)` adds a micro-batch and, when its window is
@@ -76,7 +80,7 @@ class GradientAccumulator(Packed, Accumulator):
             opens.
         weight_per_update: instead of `steps`, a weight budget: a window closes at
             the first micro-batch after which its total weight reaches it.
-        reduction: `"mean"` (default) or `"sum"` (`G = sum_i g_i`, weights ignored).
+        reduction: `"mean"` (default) or `"sum"` ($G = \sum_i g_i$, weights ignored).
         accumulator_dtype: the sums' dtype, float32 by default whatever the
             gradients' (bfloat16 gradients lose nothing).
         nonfinite: a micro-batch whose gradient holds an inf or a nan is `"skip"`ped

@@ -51,75 +51,75 @@ __all__ = ["GradientAccumulator", "NONFINITE", "REDUCTIONS"]
 
 
 class GradientAccumulator(tf.Module, StatefulAccumulator):
-    """Accumulates micro-batch gradients and applies their combination.
+    r"""Accumulates micro-batch gradients and applies their combination.
 
-    A window of micro-batches with gradients `g_i` and weights `w_i` becomes one
-    update with `G = sum_i w_i g_i / sum_i w_i` (reduction `"mean"`), which is the
-    gradient on the concatenated window when `w_i` is the micro-batch's loss
-    normalizer. The accumulator keeps one float32 (by default) sum per variable,
-    the window's total weight and its counters (`state`). It works eagerly, inside
-    `tf.function` and with `jit_compile=True`; its state is TensorFlow variables, so
-    `tf.train.Checkpoint(accumulator=acc)` saves it and a run restored in the middle
-    of a window goes on exactly. Which variables an update touches follows from what
-    the window received at run time: a variable with no gradient in the whole
-    window is left out, as Keras leaves out a `None` gradient.
+    A window of micro-batches with gradients $g_i$ and weights $w_i$ becomes one
+    update with the gradient $G = \sum_i w_i g_i / \sum_i w_i$ (reduction
+    `"mean"`): the gradient of the whole window taken as one batch, when $w_i$ is
+    the micro-batch's loss normalizer.
 
-    Under `tf.distribute.MirroredStrategy` or `MultiWorkerMirroredStrategy` (model,
-    optimizer and accumulator created inside `strategy.scope()`; `step`, `accumulate`
-    and `apply` called inside `strategy.run`), every replica accumulates locally and
-    the update makes one batched cross-replica reduction of the sums and weight
-    totals: the result equals one device training on the global window, and the
-    optimizer's clipping acts on the reduced gradient. The `condition` of `apply_if`
-    (and so the window) must be the same on every replica.
+    The accumulator keeps one sum per variable (float32 by default), the window's
+    total weight and its counters (`state`). It works eagerly, inside `tf.function`
+    and with `jit_compile=True`. Its state is TensorFlow variables, so
+    `tf.train.Checkpoint(accumulator=acc)` saves it, and a run restored in the
+    middle of a window goes on exactly. An update touches the variables that had a
+    gradient in its window: one with no gradient in the whole window is left out, as
+    Keras leaves out a `None` gradient.
+
+    Several replicas: under `tf.distribute.MirroredStrategy` or
+    `MultiWorkerMirroredStrategy`, create the model, the optimizer and the
+    accumulator inside `strategy.scope()`, and call `step`, `accumulate` and `apply`
+    inside `strategy.run`. Every replica accumulates locally; the update makes one
+    batched cross-replica reduction of the sums and weight totals. The result equals
+    one device training on the global window, and the optimizer's clipping acts on
+    the reduced gradient. The `condition` of `apply_if` (and so the window) must be
+    the same on every replica.
 
     Mixed precision: with a `keras.optimizers.LossScaleOptimizer`, pass gradients of
-    `optimizer.scale_loss(loss)`; each micro-batch is unscaled into the float32
-    accumulators, and one whose gradient is not finite is skipped with its weight
-    (`skipped` counts it). The update is applied by the inner optimizer. On one
-    device the loss scale backs off at the skipped micro-batch and grows after
-    `dynamic_growth_steps` finite ones, as Keras's does per step. Under a strategy
-    each replica screens its own share and the scale, the same on every replica,
-    changes at the update, from the window's counts carried in its one reduction:
-    it backs off once if any share of the window overflowed, else the window's
-    micro-batches count towards its growth.
+    `optimizer.scale_loss(loss)`. Each micro-batch is unscaled into the float32
+    sums; one whose gradient is not finite is skipped with its weight (`skipped`
+    counts it). The update is applied by the inner optimizer. On one device the loss
+    scale backs off at the skipped micro-batch and grows after
+    `dynamic_growth_steps` finite ones, as Keras's does per step.
+
+    Under a strategy each replica checks its own share, and the scale (the same on
+    every replica) changes at the update, from the counts the window's one reduction
+    carries: it backs off once if any share of the window overflowed; otherwise the
+    window's micro-batches count towards its growth.
 
     Args:
         variables: the (trainable) variables whose gradients are accumulated, in the
             order of the gradient lists passed to `accumulate` and `step`.
         steps: micro-batches per window, used by `step`: an integer >= 1, or a
-            schedule of the window's length by update index (counted from 0, the
-            position saved with the state): a list of `(from_update, k)` pairs,
-            sorted and starting at 0 (`[(0, 1), (2, 2), (4, 4)]`: two updates of 1
-            micro-batch, two of 2, then 4), or a callable `update_index -> int`
-            that gets an int64 scalar tensor and returns an integer >= 1 (it runs
-            in the traced step as a `tf.function`: tensor arithmetic, TensorFlow
-            ops, or Python control flow that AutoGraph converts).
-            A window's length is read when it opens. `None` when the caller
-            decides when to `apply`.
+            schedule by update index (counted from 0): sorted `(from_update, k)`
+            pairs starting at 0, such as `[(0, 1), (2, 2), (4, 4)]`, or a callable
+            `update_index -> int` given an int64 scalar tensor (it runs in the
+            traced step: tensor arithmetic, TensorFlow ops, or Python control flow
+            that AutoGraph converts). A window's length is read when it opens.
+            `None` when the caller decides when to `apply`.
         weight_per_update: instead of `steps`, a weight budget: `step` closes the
             window at the first micro-batch after which the window's total weight
             reaches it (with token-count weights: about that many tokens per
             update). Under several replicas the total is the global window's (one
             scalar all-reduce per micro-batch).
-        reduction: `"mean"` (default): `G = sum(w_i g_i) / sum(w_i)`, which equals
-            the gradient on the concatenated window when `w_i` is the micro-batch's
-            loss normalizer (its batch size for a per-sample mean loss, its token
-            count for a per-token mean). `"sum"`: `G = sum(g_i)`, weights ignored
-            (the learning rate then scales with the window).
+        reduction: `"mean"` (default): $G = \sum_i w_i g_i / \sum_i w_i$, the
+            gradient of the whole window when $w_i$ is the micro-batch's loss
+            normalizer (its number of samples for a per-sample mean loss, its number
+            of tokens for a per-token mean). `"sum"`: $G = \sum_i g_i$, weights
+            ignored (the learning rate then scales with the window).
         accumulator_dtype: dtype of the accumulators; `"float32"` whatever the
             variables' dtype, so bfloat16/float16 gradients lose nothing.
-        nonfinite: what a micro-batch whose gradient holds an inf or a nan does.
-            `"skip"` (default): it is dropped with its weight (it still counts
+        nonfinite: what happens to a micro-batch whose gradient holds an inf or a
+            nan. `"skip"` (default): it is dropped with its weight (it still counts
             towards the window's length), `skipped` counts it, and a warning is
             shown once when running eagerly (`fit` warns too). `"raise"`: an
-            `InvalidArgumentError` naming the micro-batch (under `jit_compile` the
-            check cannot raise: the micro-batch is skipped and counted, and `fit`
-            raises after the compiled call). `"apply"`: it is accumulated as it is
-            (Keras's behaviour). Or a callable `gradients -> bool` (the list passed
-            to `accumulate`; a Python or tensor boolean): True skips the
-            micro-batch as `"skip"` does, without a warning (optax's
-            `should_skip_update_fn`). Under a LossScaleOptimizer non-finite
-            micro-batches are always skipped and the loss scale backs off.
+            `InvalidArgumentError` naming the micro-batch (under `jit_compile`, it
+            is skipped and counted, and `fit` raises after the compiled call).
+            `"apply"`: it is accumulated as it is (Keras's behaviour). Or a callable
+            `gradients -> bool`, given the list passed to `accumulate` (as optax's
+            `should_skip_update_fn`): True skips the micro-batch without a warning.
+            Under a LossScaleOptimizer such micro-batches are always skipped and the
+            loss scale backs off.
         layers: a model or layers (or a list of them) whose
             `gradaccum.BatchNormalization` layers this accumulator drives: their
             moving statistics are updated once per update, from the window's pooled

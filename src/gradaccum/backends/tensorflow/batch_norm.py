@@ -105,15 +105,15 @@ class BatchNormalization(keras.layers.BatchNormalization):
     Under a strategy with several replicas each replica pools its own shares; at the
     update the replicas' windows are gathered in the accumulator's one reduction and
     pooled exactly, so the moving statistics move once, from the global window's
-    statistics. With
-    `synchronized=True` each micro-batch is normalized with the statistics of all
-    replicas' shares (one all-reduce per micro-batch and layer, as Keras's
-    synchronized layer needs too). The pending window is layer state
-    (`window_count`, `window_sum`, `window_square`, per channel), saved by `wrap`'s
-    and `accumulate`'s models with their accumulation state and by
-    `tf.train.Checkpoint`; the layer's own weight
-    entries are Keras's (gamma, beta, moving statistics), so weight files move
-    between this layer and Keras's.
+    statistics. With `synchronized=True` each micro-batch is normalized with the
+    statistics of all replicas' shares (one all-reduce per micro-batch and layer, as
+    Keras's synchronized layer needs too).
+
+    The pending window is layer state (`window_count`, `window_sum`, `window_square`,
+    per channel), saved by `wrap`'s and `accumulate`'s models with their
+    accumulation state and by `tf.train.Checkpoint`. The layer's own weight entries
+    are Keras's (gamma, beta, moving statistics), so weight files move between this
+    layer and Keras's.
 
     Not driven by an accumulator (plain `fit`, inference), it is Keras's layer.
     `wrap` drives it only inside its own training step; a `GradientAccumulator`

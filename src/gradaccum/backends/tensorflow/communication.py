@@ -50,7 +50,8 @@ class CountingCrossDeviceOps(tf.distribute.CrossDeviceOps):
         ... except RuntimeError:
         ...     pass  # TensorFlow has started: keep its devices
         >>> ops = gradaccum.CountingCrossDeviceOps()
-        >>> strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=ops)
+        >>> strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"],
+        ...                                           cross_device_ops=ops)
         >>> with strategy.scope():
         ...     v = tf.Variable(tf.zeros(4), synchronization=tf.VariableSynchronization.ON_READ,
         ...                     aggregation=tf.VariableAggregation.SUM)

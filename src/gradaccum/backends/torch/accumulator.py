@@ -42,16 +42,18 @@ __all__ = ["GradientAccumulator"]
 
 
 class GradientAccumulator(StatefulAccumulator):
-    """Accumulates micro-batch gradients in a PyTorch training loop and applies their
+    r"""Accumulates micro-batch gradients in a PyTorch training loop and applies their
     combination.
 
-    A window of micro-batches with gradients `g_i` and weights `w_i` becomes one
-    update with `G = sum_i w_i g_i / sum_i w_i` (reduction `"mean"`), the gradient on
-    the concatenated window when `w_i` is the micro-batch's loss normalizer (its
-    size for a per-sample mean loss, its token count for a per-token mean). Pass it
-    the parameters' `.grad` after `loss.backward()`: `[v.value.grad for v in
-    model.trainable_weights]` (a `None` gradient leaves its sum; a variable with
-    none in the whole window is left out of the update).
+    A window of micro-batches with gradients $g_i$ and weights $w_i$ becomes one
+    update with the gradient $G = \sum_i w_i g_i / \sum_i w_i$ (reduction
+    `"mean"`): the gradient of the whole window taken as one batch, when $w_i$ is
+    the micro-batch's loss normalizer (its number of samples for a per-sample mean
+    loss, its number of tokens for a per-token mean).
+
+    Pass it the parameters' `.grad` after `loss.backward()`: `[v.value.grad for v in
+    model.trainable_weights]`. A `None` gradient leaves its sum as it is; a variable
+    with none in the whole window is left out of the update.
 
     Under `torch.distributed` (initialized with several processes), each process
     accumulates its own micro-batches and a closing window makes one all-reduce of
@@ -74,7 +76,7 @@ class GradientAccumulator(StatefulAccumulator):
         weight_per_update: instead of `steps`, a weight budget: `step` closes the
             window at the first micro-batch after which its total weight (the
             global window's under torch.distributed) reaches it.
-        reduction: `"mean"` (default) or `"sum"` (`G = sum_i g_i`, weights ignored).
+        reduction: `"mean"` (default) or `"sum"` ($G = \sum_i g_i$, weights ignored).
         accumulator_dtype: the sums' dtype, float32 by default whatever the
             gradients' (bfloat16 gradients lose nothing).
         nonfinite: a micro-batch whose gradient holds an inf or a nan is `"skip"`ped
