@@ -60,39 +60,55 @@ def write_csv(path: pathlib.Path, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
+# The colours of the site's figures (scripts/figures.py): an accumulated run is
+# gradaccum's blue, the large batch without accumulation (k = 1) plain `fit` at k x b's
+# purple, and the contrast (the micro-batch alone, no accumulation) plain `fit` at b's
+# green.
+ACCUMULATED, LARGE_BATCH, CONTRAST = "#0072B2", "#CC79A7", "#009E73"
+MARKERS = "osD^vP*X"
+
+
 def plot(path: pathlib.Path, rows: list[dict], title: str) -> None:
-    """Accuracy mean +/- std per configuration, and test accuracy against updates."""
+    """Accuracy mean +/- std per configuration (above), and test accuracy against
+    updates (below), drawn at 7.5 in wide (a page's width) with text of 9 pt or more."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    labels = [row["label"].replace(" (no accumulation)", "\n(no accum.)") for row in rows]
-    colors = ["tab:gray" if row["contrast"] else "tab:blue" for row in rows]
-    left.bar(range(len(rows)), [row["mean"] for row in rows],
-             yerr=[row["std"] for row in rows], color=colors, capsize=4)
-    left.set_xticks(range(len(rows)), labels)
-    low = min(row["mean"] - row["std"] for row in rows)
-    high = max(row["mean"] + row["std"] for row in rows)
-    left.set_ylim(low - 1.0, high + 0.5)
-    left.set_xlabel("k x b (micro-batches x samples)")
-    left.set_ylabel("test accuracy (%)")
-    left.set_title("final accuracy, mean +/- std over runs")
-    for row, label in zip(rows, labels):
-        curves = np.array([[acc for _, acc in run["curve"]] for run in row["runs"]])
-        updates = [u for u, _ in row["runs"][0]["curve"]]
-        style = "--" if row["contrast"] else "-"
-        right.plot(updates, curves.mean(axis=0), style, marker="o", markersize=3,
-                   label=label.replace("\n", " "))
-    right.set_xscale("log")
-    right.set_xlabel("optimizer updates")
-    right.set_ylabel("test accuracy (%)")
-    right.set_title("test accuracy against updates (mean of runs)")
-    right.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    def colour(row: dict) -> str:
+        if row["contrast"]:
+            return CONTRAST
+        return LARGE_BATCH if row.get("k", 2) == 1 else ACCUMULATED
+
+    with plt.rc_context({"font.size": 10, "legend.fontsize": 9}):
+        fig, (top, bottom) = plt.subplots(2, 1, figsize=(7.5, 7.5))
+        labels = [row["label"].replace(" (no accumulation)", "\n(no accum.)")
+                  for row in rows]
+        top.bar(range(len(rows)), [row["mean"] for row in rows],
+                yerr=[row["std"] for row in rows], color=[colour(r) for r in rows],
+                capsize=4)
+        top.set_xticks(range(len(rows)), labels)
+        low = min(row["mean"] - row["std"] for row in rows)
+        high = max(row["mean"] + row["std"] for row in rows)
+        top.set_ylim(low - 1.0, high + 0.5)
+        top.set_xlabel("k x b (micro-batches x samples)")
+        top.set_ylabel("test accuracy (%)")
+        top.set_title("final accuracy, mean +/- std over runs")
+        for i, (row, label) in enumerate(zip(rows, labels)):
+            curves = np.array([[acc for _, acc in run["curve"]] for run in row["runs"]])
+            updates = [u for u, _ in row["runs"][0]["curve"]]
+            bottom.plot(updates, curves.mean(axis=0), "--" if row["contrast"] else "-",
+                        marker=MARKERS[i % len(MARKERS)], markersize=4,
+                        color=colour(row), label=label.replace("\n", " "))
+        bottom.set_xscale("log")
+        bottom.set_xlabel("optimizer updates")
+        bottom.set_ylabel("test accuracy (%)")
+        bottom.set_title("test accuracy against updates (mean of runs)")
+        bottom.legend()
+        fig.suptitle(title, fontsize=11)
+        fig.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=150)
+        plt.close(fig)
