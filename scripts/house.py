@@ -254,7 +254,9 @@ def svg(package: pathlib.Path = PACKAGE) -> str:
     counted on the arrows' side."""
     known = modules(package)
     edges = imports(known)
-    width, pad, line_height, font = 960, 14, 17, 13
+    # Drawn at the width of the site's content column (about 700 px), so its text
+    # shows at 9 pt or more (12 px and up) there.
+    width, pad, line_height, font = 700, 14, 17, 13
     blocks = []
     for index in reversed(range(len(FLOORS))):
         title, what, _ = FLOORS[index]
@@ -272,11 +274,11 @@ def svg(package: pathlib.Path = PACKAGE) -> str:
                 rooms.setdefault("", []).append(room)
         text = [(f"{index}. {title}", "bold"),
                 *[(line, "what") for line in _wrapped(
-                    f"{what} ({len(names)} modules, {lines} lines)", 110)]]
+                    f"{what} ({len(names)} modules, {lines} lines)", 92)]]
         for folder, leaves in rooms.items():
             label = f"{folder}/: " if folder else ""
             text += [(line, "rooms") for line in _wrapped(
-                label + ", ".join(sorted(set(leaves))), 118)]
+                label + ", ".join(sorted(set(leaves))), 86)]
         down = sorted({FLOORS[floor_of(b)][0] for a in names for b in edges[a]
                        if b != "gradaccum" and floor_of(b) < index})
         if down:
