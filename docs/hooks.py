@@ -135,8 +135,10 @@ def on_pre_build(config, **kwargs) -> None:
 
 
 def draw_accumulation() -> None:
-    """The first page's picture of a window (`scripts/diagram.py`)."""
+    """The first page's picture of a window (`scripts/diagram.py`), kept in git too
+    (docs/images/: the README and a page read on GitHub show it; a test checks it is
+    the script's drawing)."""
     spec = importlib.util.spec_from_file_location("diagram", ROOT / "scripts" / "diagram.py")
     diagram = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(diagram)
-    diagram.main([str(ROOT / "docs" / "figures" / "accumulation.svg")])
+    diagram.main([str(diagram.OUT)])

@@ -1,6 +1,6 @@
 """The first page's picture of how accumulation works, drawn as plain SVG.
 
-    python scripts/diagram.py [OUT_FILE]     (default: docs/figures/accumulation.svg)
+    python scripts/diagram.py [OUT_FILE]     (default: docs/images/accumulation.svg)
 
 k = 4 micro-batches of b samples each go through the model in turn; each gives its
 gradient g_i and its weight w_i (its number of samples or tokens); the weighted
@@ -23,7 +23,7 @@ import sys
 from xml.sax.saxutils import escape
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-OUT = ROOT / "docs" / "figures" / "accumulation.svg"
+OUT = ROOT / "docs" / "images" / "accumulation.svg"
 
 WIDTH = 700     # the viewBox's width, and the width the page shows it at
 COLUMN = 670    # the narrowest content column of the site's theme, in px
