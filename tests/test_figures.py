@@ -173,10 +173,10 @@ def test_the_diagram_has_a_title_and_text_of_9_points_at_the_pages_width(tmp_pat
     words = " ".join(text for text, _ in sizes)
     for shown in ("micro-batch 4", "float32", "ONE update", "S / W"):
         assert shown in words, shown
+    assert not re.search(r"/(work|tmp)/", out.read_text())
 
 
 def test_the_committed_diagram_is_the_scripts_drawing():
     # docs/images/accumulation.svg is in git, for the README and GitHub's view of the
     # docs; the docs build draws it again. `python scripts/diagram.py` after a change.
     assert diagram.OUT.read_text() == diagram.svg(), "run: python scripts/diagram.py"
-    assert not re.search(r"/(work|tmp)/", out.read_text())

@@ -13,10 +13,12 @@ hold their classes."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import html
 import html.parser
 import http.server
+import json
 import os
 import pathlib
 import re
@@ -244,26 +246,92 @@ def _browser():
     return None
 
 
-@pytest.fixture(scope="module")
-def served(site):
-    """The built site over HTTP on a free local port, as a user's server gives it
-    (the search runs in a worker, which a file:// page may not start)."""
+@contextlib.contextmanager
+def _serving(directory: pathlib.Path):
+    """`directory` over HTTP on a free local port, as a user's server gives it (the
+    search runs in a worker, which a file:// page may not start): its address, and
+    the list of what it was asked for and could not give."""
     class Quiet(http.server.SimpleHTTPRequestHandler):
         def log_message(self, *args):
             pass
 
         def log_request(self, code="-", size="-"):
-            if str(code) != "200":
+            if not str(code).startswith(("2", "3")):  # 304: a cached file, served
                 missing.append(f"{code} {self.path}")
 
     missing = []
-    handler = functools.partial(Quiet, directory=str(site))
+    handler = functools.partial(Quiet, directory=str(directory))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    # The site's address, and the list of what it was asked for and could not give.
-    yield f"http://127.0.0.1:{server.server_address[1]}/", missing
-    server.shutdown()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/", missing
+    finally:
+        server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def served(site):
+    """The built site over HTTP (`_serving`)."""
+    with _serving(site) as found:
+        yield found
+
+
+# One page that opens each of `PAGES` in turn in a frame of a desktop's size, gives it
+# `WAIT` ms of its timers (MathJax typesets, the theme sets up its tabs), and writes
+# what the frame's document holds into its own: one Chromium for every page.
+_HARNESS = """<!doctype html><html><head><link rel="icon" href="data:,"></head>
+<body><pre id="found"></pre>
+<iframe id="frame" width="1280" height="900"></iframe>
+<script>
+const PAGES = %(pages)s, WAIT = %(wait)d, found = [];
+const frame = document.getElementById("frame");
+function next(index) {
+  if (index === PAGES.length) {
+    document.getElementById("found").textContent = JSON.stringify(found);
+    return;
+  }
+  frame.onload = () => setTimeout(() => {
+    const page = frame.contentDocument;
+    found.push({
+      page: PAGES[index],
+      content: page.querySelector(".md-content") !== null,
+      formulas: page.querySelectorAll(".arithmatex").length,
+      typeset: page.querySelectorAll("mjx-container").length,
+      tabs: page.querySelectorAll(".tabbed-set").length,
+      set_up: page.querySelector(".tabbed-labels") !== null
+        && page.querySelector(".tabbed-control") !== null,
+    });
+    next(index + 1);
+  }, WAIT);
+  frame.src = PAGES[index];
+}
+next(0);
+</script></body></html>
+"""
+
+
+def _opened_in_one_browser(browser, address, folder, pages, wait=3000):
+    """Every page of `pages` (paths under `address`, served from `folder`) in one
+    headless Chromium (`_HARNESS`): what each frame held, and every line a page wrote
+    to its console (Chromium logs each, whatever its level and frame, as a CONSOLE
+    line). Chromium's virtual time runs the pages' timers without waiting for them."""
+    harness = folder / "_every_page.htm"  # not *.html: no page of the site
+    harness.write_text(_HARNESS % {"pages": json.dumps(pages), "wait": wait})
+    try:
+        budget = (len(pages) + 1) * (wait + 1000)
+        dumped = subprocess.run(
+            [browser, "--headless", "--no-sandbox", "--disable-gpu",
+             "--enable-logging=stderr", "--v=0", f"--virtual-time-budget={budget}",
+             "--dump-dom", address + harness.name],
+            capture_output=True, text=True, timeout=600)
+    finally:
+        harness.unlink()
+    assert dumped.returncode == 0, dumped.stderr[-2000:]
+    console = [line for line in dumped.stderr.splitlines() if ":CONSOLE" in line]
+    found = re.search(r'<pre id="found">(.*?)</pre>', dumped.stdout, flags=re.S)
+    assert found and found.group(1), "the harness did not finish: " + dumped.stdout[-2000:]
+    return json.loads(html.unescape(found.group(1))), console
 
 
 def _opened(browser, url, shot=None):
@@ -297,6 +365,20 @@ def test_the_browser_check_sees_what_a_page_writes_to_its_console(tmp_path):
     assert any("boom" in line for line in console), console
     assert any("late" in line for line in console), console
     assert any("Uncaught ReferenceError" in line for line in console), console
+    # The same through the page that opens every page in one browser, after a good
+    # page, with a file the page asks for and the server does not have.
+    (tmp_path / "good.html").write_text('<html><body><div class="md-content">ok</div>'
+                                        '<img src="absent.png"></body></html>')
+    with _serving(tmp_path) as (address, missing):
+        found, console = _opened_in_one_browser(browser, address, tmp_path,
+                                                ["good.html", "broken.html"], wait=500)
+    assert [(f["page"], f["content"]) for f in found] == [("good.html", True),
+                                                         ("broken.html", False)]
+    assert any("boom" in line for line in console), console
+    assert any("late" in line for line in console), console
+    assert any("Uncaught ReferenceError" in line for line in console), console
+    # (A page without an icon of its own has Chromium ask for /favicon.ico.)
+    assert [m for m in missing if "favicon" not in m] == ["404 /absent.png"], missing
 
 
 def test_a_real_browser_loads_every_page_without_a_console_error_or_a_missing_file(
@@ -309,30 +391,22 @@ def test_a_real_browser_loads_every_page_without_a_console_error_or_a_missing_fi
     if browser is None:
         pytest.skip("no Chromium installed (Debian: apt install chromium)")
     address, missing = served
-    pages = sorted(path.relative_to(site) for path in site.rglob("*.html"))
+    pages = sorted(path.relative_to(site).as_posix() for path in site.rglob("*.html"))
     assert len(pages) >= 20
-    failed, maths, tabs = [], 0, 0
-    for page in pages:
-        built = (site / page).read_text()
-        url = address + (page.as_posix()[:-len("index.html")]
-                         if page.name == "index.html" else page.as_posix())
-        dom, console = _opened(browser, url)
-        asked = list(missing)
-        missing.clear()
-        if console or asked:
-            failed.append(f"{page}: {console + asked}")
-        if 'class="md-content"' not in dom:
-            failed.append(f"{page}: no content")
-        if 'class="arithmatex"' in built:
-            maths += 1
-            if "<mjx-container" not in dom:
-                failed.append(f"{page}: a formula not typeset")
-        if 'class="tabbed-set' in built:
-            tabs += 1
-            if "tabbed-labels" not in dom or "tabbed-control" not in dom:
-                failed.append(f"{page}: a tabbed block not set up")
+    found, console = _opened_in_one_browser(browser, address, site, pages)
+    assert [f["page"] for f in found] == pages
+    failed = [f"console: {line}" for line in console]
+    failed += [f"not served: {asked}" for asked in missing]
+    missing.clear()
+    for f in found:
+        if not f["content"]:
+            failed.append(f"{f['page']}: no content")
+        if f["formulas"] and not f["typeset"]:
+            failed.append(f"{f['page']}: a formula not typeset")
+        if f["tabs"] and not f["set_up"]:
+            failed.append(f"{f['page']}: a tabbed block not set up")
     assert not failed, "\n".join(failed)
-    assert maths and tabs, (maths, tabs)
+    assert sum(f["formulas"] > 0 for f in found) and sum(f["tabs"] > 0 for f in found)
 
 
 @pytest.mark.parametrize("page", ["", "guides/fit/", "api/"])
