@@ -180,3 +180,13 @@ def test_the_committed_diagram_is_the_scripts_drawing():
     # docs/images/accumulation.svg is in git, for the README and GitHub's view of the
     # docs; the docs build draws it again. `python scripts/diagram.py` after a change.
     assert diagram.OUT.read_text() == diagram.svg(), "run: python scripts/diagram.py"
+
+
+def test_the_seed_experiments_figure_takes_its_colours_from_the_sites_table():
+    # src/gradaccum/experiments/report.py cannot import scripts/: its three colours
+    # are the table's own, checked here.
+    from gradaccum.experiments import report
+
+    assert report.ACCUMULATED == figures.COLOURS["gradaccum"]
+    assert report.LARGE_BATCH == figures.COLOURS["plain fit at k×b"]
+    assert report.CONTRAST == figures.COLOURS["plain fit at b"]
