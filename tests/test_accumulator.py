@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import gradaccum
-from conftest import (
+from helpers import (
     OPTIMIZERS,
     assert_same_state,
     grads_of,

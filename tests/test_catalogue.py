@@ -15,7 +15,7 @@ import tensorflow as tf
 
 import gradaccum
 from catalogue_pages import entries
-from conftest import make_data, make_mlp
+from helpers import make_data, make_mlp
 
 SCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 

@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 import gradaccum
-from conftest import make_data, make_mlp
+from helpers import make_data, make_mlp
 
 # 1. Which variables an update touches follows the window, not the trace order -------
 
@@ -164,7 +164,7 @@ def test_callable_policy_skips_what_it_says_and_matches_the_reference():
     ref_acc = gradaccum.GradientAccumulator(reference.trainable_variables, steps=3)
     x, y = make_data(24)
     step = tf.function(lambda grads, w: acc.step(optimizer, grads, w))
-    from conftest import grads_of
+    from helpers import grads_of
 
     for i in range(6):
         xs, ys = x[4 * i:4 * i + 4], y[4 * i:4 * i + 4]

@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 import gradaccum
-from conftest import fit_state, make_trainer, trained
+from helpers import fit_state, make_trainer, trained
 
 SCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import gradaccum
-from conftest import OPTIMIZERS, assert_same_state, grads_of, make_data, make_mlp
+from helpers import OPTIMIZERS, assert_same_state, grads_of, make_data, make_mlp
 
 SCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import OPTIMIZERS, fit_state, make_data, make_mlp, make_trainer
+from helpers import OPTIMIZERS, fit_state, make_data, make_mlp, make_trainer
 
 SCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import gradaccum
-from conftest import OPTIMIZERS, fit_state, grads_of, make_mlp, make_trainer
+from helpers import OPTIMIZERS, fit_state, grads_of, make_mlp, make_trainer
 
 SETTINGS = dict(
     derandomize=True,

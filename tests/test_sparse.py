@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import gradaccum
-from conftest import assert_same_state
+from helpers import assert_same_state
 
 VOCAB, DIM = 200_000, 8
 

@@ -14,9 +14,9 @@ import pytest
 import tensorflow as tf
 
 import gradaccum
-from conftest import assert_same_state, make_trainer, trained
 from gradaccum.attach import accumulation_of
 from gradaccum.core.auto_size import AutoSize
+from helpers import assert_same_state, make_trainer, trained
 from test_accumulate import OwnStep, Penalized, TwoOptimizers, seeded
 from test_keras_model import SCE, assert_weights_close, data, max_gap, mlp
 

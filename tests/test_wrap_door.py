@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import gradaccum
-from conftest import make_mlp
+from helpers import make_mlp
 
 
 class OwnLoss(keras.Model):

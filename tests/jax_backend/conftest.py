@@ -2,11 +2,12 @@
 backend per process): `KERAS_BACKEND=jax python -m pytest tests/jax_backend`, as
 `scripts/test.sh` does."""
 
-import keras
 import pytest
 
 
 def pytest_collection_modifyitems(config, items):
+    import keras  # here, not at import: xdist's controller loads this file too
+
     if keras.backend.backend() != "jax":
         raise pytest.UsageError(
             "tests/jax_backend runs with Keras's JAX backend. Received: "
