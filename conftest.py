@@ -10,6 +10,15 @@ import pytest
 from hypothesis import settings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Each pytest-xdist worker (scripts/test.sh runs one per core) runs its ops on one
+    # thread, set before its backend starts: with TensorFlow's and PyTorch's default
+    # (a thread per core in each worker) the workers' threads outnumber the cores, and
+    # on this project's 2-core machines the fast tier took 18 % more CPU time on
+    # TensorFlow (285 s against 239 s) and twice the time on PyTorch (95 s against
+    # 47 s). JAX's tests ran as fast either way.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "1")
 
 # `bash scripts/test.sh --fast` loads this profile (`--hypothesis-profile=fast`); the
 # full suite runs the examples each test asks for.
@@ -71,10 +80,20 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
+def _xdist_controller(config) -> bool:
+    """Whether this process is pytest-xdist's controller (`-n 2`): it starts the
+    workers and gathers their reports, and imports neither Keras nor TensorFlow (3 to 6
+    s of every run's start on this project's machines)."""
+    return bool(getattr(config.option, "numprocesses", None)) and not hasattr(
+        config, "workerinput")
+
+
 def pytest_configure(config):
     """Two logical CPU devices for the tf.distribute tests, before TensorFlow starts
     (not in the JAX and PyTorch processes: tests/jax_backend, tests/torch_backend)."""
     if os.environ.get("KERAS_BACKEND", "tensorflow") != "tensorflow":
+        return
+    if _xdist_controller(config):  # it runs no test: its workers set up their own
         return
     import tensorflow as tf
 
@@ -112,8 +131,17 @@ def _node(item) -> str | None:
     return path.relative_to(TESTS).as_posix() + item.nodeid[len(item.nodeid.split("::")[0]):]
 
 
-def _named(node: str, keys) -> bool:
-    return any(TIERS.matches(node, key) for key in keys)
+def _by_module(keys) -> dict[str, list[str]]:
+    """A table's keys grouped by the test module they name (matching a node against
+    only its module's keys: a second of every worker's start instead of two)."""
+    grouped: dict[str, list[str]] = {}
+    for key in keys:
+        grouped.setdefault(key.split("::")[0].split("[")[0], []).append(key)
+    return grouped
+
+
+def _named(node: str, grouped: dict[str, list[str]]) -> bool:
+    return any(TIERS.matches(node, key) for key in grouped.get(node.split("::")[0], ()))
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -122,11 +150,12 @@ def pytest_collection_modifyitems(config, items):
     every key of its tables still names a collected test (a renamed test fails the
     collection instead of silently changing tier)."""
     nodes = {item: _node(item) for item in items}
-    features = TIERS.FEATURES.values()
+    features = _by_module(TIERS.FEATURES.values())
+    markers = {marker: _by_module(keys) for marker, keys in TIERS.MARKERS.items()}
     for item, node in nodes.items():
         if node is None:
             continue
-        for marker, keys in TIERS.MARKERS.items():
+        for marker, keys in markers.items():
             if marker == "slow" and _named(node, features):
                 continue
             if _named(node, keys):
@@ -146,11 +175,16 @@ def pytest_collection_modifyitems(config, items):
     tables = {f"FEATURES[{feature!r}]": [key] for feature, key in TIERS.FEATURES.items()}
     tables.update({name: getattr(TIERS, name) for name in
                    ("SLOW", "HUB", "MULTI_DEVICE", "SUBPROCESS", "BOTH_DOORS")})
+    in_module: dict[str, list[str]] = {}
+    for node in nodes.values():
+        if node:
+            in_module.setdefault(node.split("::")[0], []).append(node)
     for table, keys in tables.items():
         for key in keys:
             if key.split("::")[0] not in modules:
                 continue
-            named = [node for node in nodes.values() if node and TIERS.matches(node, key)]
+            named = [node for node in in_module.get(key.split("::")[0].split("[")[0], ())
+                     if TIERS.matches(node, key)]
             if table == "BOTH_DOORS":  # the wrap case is what the row is for
                 named = [node for node in named if "wrap" in node.partition("[")[2]]
             if not named:
