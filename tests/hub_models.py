@@ -24,6 +24,8 @@ where the extra installs nothing, it skips the importing module. It holds no tes
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import re
 import sys
 from collections import Counter
@@ -32,12 +34,20 @@ from collections.abc import Sequence
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
-if sys.version_info >= (3, 11):
-    import keras_hub
-else:  # the `hub` extra installs nothing before Python 3.11
-    keras_hub = pytest.importorskip("keras_hub")
+if importlib.util.find_spec("keras_hub") is None:
+    if sys.version_info >= (3, 11):
+        raise ImportError("keras_hub is missing: the README's test install provides it")
+    pytest.skip("the `hub` extra installs nothing before Python 3.11", allow_module_level=True)
+
+
+def __getattr__(name: str):
+    """`hub_models.keras_hub`, imported when first asked for. The functions below
+    import KerasHub (and TensorFlow) when called, not at import: a worker that runs
+    no KerasHub test (the fast tier on JAX and PyTorch) saves about 3 s at its start."""
+    if name == "keras_hub":
+        return importlib.import_module("keras_hub")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 SEQUENCE_LENGTH = 16
 END_TOKEN = "<|endoftext|>"
@@ -148,6 +158,8 @@ def make_preprocessor(sequence_length: int = SEQUENCE_LENGTH):
         The preprocessor: strings -> `({"token_ids", "padding_mask"}, labels,
         sample_weight)`, labels shifted by one, sample_weight the labels' padding mask.
     """
+    import keras_hub
+
     vocabulary, merges = make_vocabulary()
     tokenizer = keras_hub.models.GPT2Tokenizer(vocabulary=vocabulary, merges=merges)
     return keras_hub.models.GPT2CausalLMPreprocessor(tokenizer, sequence_length=sequence_length)
@@ -165,6 +177,8 @@ def make_backbone(vocabulary_size: int, *, seed: int = 0, sequence_length: int =
     Returns:
         A built `keras_hub.models.GPT2Backbone` without dropout.
     """
+    import keras_hub
+
     backbone = keras_hub.models.GPT2Backbone(
         vocabulary_size=vocabulary_size,
         num_layers=1,
@@ -232,6 +246,8 @@ def make_task(
         The compiled task. `task.fit(texts, batch_size=4, shuffle=False)` trains on raw
         strings; `task.generate("the", max_length=8)` decodes greedily.
     """
+    import keras_hub
+
     preprocessor = make_preprocessor(sequence_length)
     backbone = make_backbone(
         preprocessor.tokenizer.vocabulary_size(), seed=seed, sequence_length=sequence_length
@@ -308,6 +324,8 @@ def reference_fit_on_windows(
     Raises:
         ValueError: a window size below 1, or sizes that do not add up to the texts.
     """
+    import tensorflow as tf
+
     texts = list(texts)
     sizes = [int(size) for size in window_sizes]
     if not sizes or min(sizes) < 1 or sum(sizes) != len(texts):
