@@ -19,6 +19,11 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 GRADACCUM_EXTRAS=tf,experiment,test,hub,docs source "$root/scripts/setup.sh"
 cd "$root"
+# Python may write bytecode: pytest keeps each test module with its asserts rewritten
+# in __pycache__, so the next worker and the next backend's run reuse it (2 to 4 s of
+# each worker's start where PYTHONDONTWRITEBYTECODE is set, as on this project's
+# machines).
+unset PYTHONDONTWRITEBYTECODE
 python -m ruff check .
 tier=(--durations=15)
 fast=0
