@@ -15,6 +15,9 @@ import pytest  # noqa: E402
 
 import tiers  # noqa: E402
 
+# The shared helpers' asserts report their values, as the tests' own do.
+pytest.register_assert_rewrite("helpers", "largebatch")
+
 TESTS = pathlib.Path(__file__).resolve().parent
 # The large-batch references every backend's tests share (tests/contract/largebatch.py).
 sys.path.insert(0, str(TESTS / "contract"))
@@ -26,7 +29,7 @@ BACKEND_FOLDERS = {"jax_backend": "jax", "torch_backend": "torch"}
 
 
 def pytest_ignore_collect(collection_path, config):
-    path = pathlib.Path(str(collection_path))
+    path = pathlib.Path(str(collection_path)).resolve()
     if path.parent != TESTS:
         return None
     if path.name == "typing":

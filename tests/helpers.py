@@ -74,7 +74,6 @@ def assert_same_state(model_a, opt_a, model_b, opt_b, rtol=1e-5, atol=1e-6):
         )
 
 
-
 def make_trainer(door, model, **options):
     """What to compile and fit: `wrap`'s trainer, or `model` itself accumulating."""
     import gradaccum

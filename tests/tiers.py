@@ -688,6 +688,8 @@ SLOW = [
     "jax_backend/test_jax_docs.py::test_documented_jax_block_runs[docs/guides/*",
     "jax_backend/test_jax_docs.py::test_documented_jax_block_runs[docs/distribution/*",
     "jax_backend/test_jax_docs.py::test_documented_jax_block_runs[docs/faq.md*",
+    "torch_backend/test_torch_docs.py::test_documented_torch_block_runs[docs/guides/*",
+    "torch_backend/test_torch_docs.py::test_the_torch_example_runs_as_written",
     # Keras's retracing warning in a process that trains many models (5 s).
     "test_accumulate.py::test_a_process_that_trains_many_models_is_not_warned_of_retracing",
     # A recompile's loss and optimizer settings (JAX replayed the first trace).
