@@ -9,6 +9,7 @@ pytest-xdist's controller process starts without it.
 from __future__ import annotations
 
 import keras
+import largebatch
 import numpy as np
 
 if keras.backend.backend() == "tensorflow":  # JAX's and torch's processes need none
@@ -30,23 +31,11 @@ OPTIMIZERS = {
 
 def make_mlp(seed: int = 0, dtype: str = "float32") -> keras.Model:
     """A 5 -> 8 -> 3 MLP whose initial weights depend only on `seed`."""
-    model = keras.Sequential(
-        [
-            keras.Input((5,)),
-            keras.layers.Dense(8, activation="tanh", dtype=dtype),
-            keras.layers.Dense(3, dtype=dtype),
-        ]
-    )
-    rng = np.random.default_rng(seed)
-    model.set_weights([rng.normal(0, 0.5, w.shape).astype(w.dtype) for w in model.get_weights()])
-    return model
+    return largebatch.mlp(seed, inputs=5, dtype=dtype)
 
 
 def make_data(n: int, seed: int = 1):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, 5)).astype("float32")
-    y = rng.integers(0, 3, size=(n,)).astype("int32")
-    return x, y
+    return largebatch.data(n, seed, features=5)
 
 
 def mean_loss(model, x, y):

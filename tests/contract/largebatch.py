@@ -10,21 +10,22 @@ import numpy as np
 SCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def mlp(seed: int = 0) -> keras.Model:
-    """A 6 -> 8 -> 3 MLP whose initial weights depend only on `seed`."""
+def mlp(seed: int = 0, *, inputs: int = 6, dtype: str | None = None) -> keras.Model:
+    """An `inputs` -> 8 -> 3 MLP whose initial weights depend only on `seed` (its
+    layers in `dtype`, or the global dtype policy's)."""
     model = keras.Sequential([
-        keras.Input((6,)),
-        keras.layers.Dense(8, activation="tanh"),
-        keras.layers.Dense(3),
+        keras.Input((inputs,)),
+        keras.layers.Dense(8, activation="tanh", dtype=dtype),
+        keras.layers.Dense(3, dtype=dtype),
     ])
     rng = np.random.default_rng(seed)
     model.set_weights([rng.normal(0, 0.5, w.shape).astype(w.dtype) for w in model.get_weights()])
     return model
 
 
-def data(n: int, seed: int = 1):
+def data(n: int, seed: int = 1, *, features: int = 6):
     rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, 6)).astype("float32")
+    x = rng.normal(size=(n, features)).astype("float32")
     y = rng.integers(0, 3, size=(n,)).astype("int32")
     return x, y
 
