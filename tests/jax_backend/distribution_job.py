@@ -15,7 +15,9 @@ JSON of the results.
 from __future__ import annotations
 
 import json
+import pathlib
 import sys
+import warnings
 
 import jax
 import keras
@@ -23,6 +25,9 @@ import numpy as np
 
 import gradaccum
 from gradaccum.attach import accumulation_of
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "benchmarks"))
+from hlo import collectives  # noqa: E402
 
 SCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -86,7 +91,15 @@ def train(model_name, options, kind=None):
         # Split mode: batches of 12 as micro-batches of 8 and a shorter last one,
         # each taking an equal part of every data shard.
         batch = 12 if options.get("micro_batch_size") == 8 else 8
-        history = model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            history = model.fit(x, y, batch_size=batch, epochs=2, shuffle=False,
+                                verbose=0)
+        SEEN[id(model)] = {
+            "warnings": [str(w.message) for w in caught if "gradaccum" in str(w.message)],
+            "collectives": (None if kind is None or options.get("micro_batch_size") == "auto"
+                            else step_collectives(model, x, y, batch)),
+        }
         state = accumulation_of(model).state
         shardings = {
             v.path: {
@@ -95,6 +108,7 @@ def train(model_name, options, kind=None):
                 "accumulator": str(getattr(acc.value.sharding, "spec", None)),
                 "variable_shard": list(v.value.sharding.shard_shape(v.shape)),
                 "accumulator_shard": list(acc.value.sharding.shard_shape(acc.shape)),
+                "accumulator_shape": list(acc.shape),
                 "devices": len(acc.value.sharding.device_set),
             }
             for v, acc in zip(model.trainable_variables, state.accumulators)
@@ -102,6 +116,19 @@ def train(model_name, options, kind=None):
         return model, history, shardings
     finally:
         keras.distribution.set_distribution(None)
+
+
+def step_collectives(model, x, y, batch) -> list:
+    """`(kind, bytes, place)` of each collective of the compiled train step on a
+    batch (`benchmarks/hlo.py`: place "call", "loop" or "update")."""
+    state = tuple([v.value for v in variables] for variables in (
+        model.trainable_variables, model.non_trainable_variables,
+        model.optimizer.variables, model.metrics_variables))
+    distribution = keras.distribution.distribution()
+    data = tuple(jax.device_put(t[:batch], distribution.get_data_layout(
+        t[:batch].shape).backend_layout) for t in (x, y))
+    text = jax.jit(model.train_step).lower(state, data).compile().as_text()
+    return [(c.kind, c.bytes, c.place) for c in collectives(text)]
 
 
 def gap(a, b):
@@ -151,6 +178,11 @@ def refusal(distribution, make) -> str:
     return "no error"
 
 
+batch_norm_warnings: list = []
+# What each trained model's fit warned and its train step's collectives, by id.
+SEEN: dict = {}
+
+
 def batch_norm_gap() -> float:
     """Keras's BatchNormalization under DataParallel, steps=3 on batches of 8: the
     largest gap of its moving statistics from plain Keras on one device trained on the
@@ -171,10 +203,14 @@ def batch_norm_gap() -> float:
     reference.compile(keras.optimizers.SGD(0.01), loss)
     for window in (np.r_[0:24], np.r_[24:48]):
         reference.train_on_batch(x[window], y[window])
-    with keras.distribution.DataParallel().scope():
+    with keras.distribution.DataParallel().scope(), warnings.catch_warnings(
+            record=True) as caught:
+        warnings.simplefilter("always")
         model = gradaccum.accumulate(make(), steps=3)
         model.compile(keras.optimizers.SGD(0.01), loss)
         model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    batch_norm_warnings[:] = [str(w.message) for w in caught
+                              if "gradaccum" in str(w.message)]
     ours, theirs = model.get_layer("bn"), reference.get_layer("bn")
     return float(max(np.max(np.abs(np.asarray(a) - np.asarray(b))) for a, b in (
         (ours.moving_mean, theirs.moving_mean),
@@ -184,6 +220,7 @@ def batch_norm_gap() -> float:
 def main():
     results = {"devices": len(jax.devices()), "cases": []}
     results["batch_norm"] = batch_norm_gap()
+    results["batch_norm_warnings"] = batch_norm_warnings
     for model_name in MODELS:
         for options in ({"steps": 3}, {"micro_batch_size": 8}):
             reference, expected, _ = train(model_name, options)
@@ -202,6 +239,9 @@ def main():
                         np.asarray(history.history["loss"]) - expected.history["loss"]
                     ))),
                     "updates": history.history["updates"],
+                    **SEEN[id(model)],
+                    "gradient_bytes": sum(int(np.prod(v.shape)) * 4
+                                          for v in model.trainable_variables),
                     "shardings": shardings,
                 })
     # micro_batch_size="auto" under DataParallel: sizes are multiples of the shards.

@@ -51,8 +51,16 @@ def _results(jobs, devices):
 def _check(results, devices):
     assert results["devices"] == devices
     # Keras's BatchNormalization follows the global window (its statistics are the
-    # sharded batch's): as one device trained on the windows.
+    # sharded batch's): as one device trained on the windows. Its statistics span
+    # the devices' samples, so its sums are not kept per device: said once.
     assert results["batch_norm"] < 1e-6, results["batch_norm"]
+    assert results["batch_norm_warnings"] == [
+        f"gradaccum all-reduces each micro-batch's gradient under DataParallel "
+        f"({devices} devices on mesh axis 'batch'): BatchNormalization layer(s) 'bn' "
+        "normalize over all the devices' samples, so its sums cannot be kept per "
+        "device. An update then costs one gradient all-reduce per micro-batch, as "
+        "Keras's own step does."
+    ]
     assert len(results["cases"]) == len(CASES)
     for case in results["cases"]:
         name = f"{case['model']} {case['options']} {case['kind']}"
@@ -70,10 +78,22 @@ def _check(results, devices):
                 # Split mode's sums live in the step: the state keeps a scalar.
                 assert sharding["accumulator_shard"] == [], (name, path)
                 continue
-            # Each accumulator sits where its variable sits: the same spec, the same
-            # shard on each device, on every device of the mesh.
-            assert sharding["accumulator"] == sharding["variable"], (name, path)
-            assert sharding["accumulator_shard"] == sharding["variable_shard"], (name, path)
+            rows = devices // 2 if case["kind"] == "model_parallel" else devices
+            if rows == 1:
+                # A batch axis of one device: the accumulator sits where its
+                # variable sits (the same spec, the same shard on each device).
+                assert sharding["accumulator"] == sharding["variable"], (name, path)
+                assert sharding["accumulator_shard"] == sharding["variable_shard"]
+                continue
+            # Each accumulator keeps one row per device of the batch axis, and each
+            # row sits where its variable sits: the rows sharded over "batch", then
+            # the variable's own spec, so a device holds one row.
+            variable = sharding["variable"][len("P("):-1].rstrip(",")
+            assert sharding["accumulator"] == f"P('batch', {variable})", (name, path)
+            assert sharding["accumulator_shard"] == [1, *sharding["variable_shard"]], (
+                name, path)
+            assert sharding["accumulator_shape"] == [rows, *sharding["shape"]], (name, path)
+        _check_collectives(case, devices)
         if case["kind"] == "model_parallel" and steps:
             kernels = [s for p, s in case["shardings"].items()
                        if p.endswith(("kernel", "embeddings"))]
@@ -81,6 +101,30 @@ def _check(results, devices):
             for sharding in kernels:
                 # Half of the last dimension on each device of the "model" axis.
                 assert sharding["accumulator_shard"][-1] * 2 == sharding["shape"][-1]
+
+
+def _check_collectives(case, devices):
+    """One all-reduce of the gradient per update: in the branch that applies it,
+    where each device's rows are added; a micro-batch's step (and split mode's loop)
+    reduces scalars only (a normalizer, a weight)."""
+    name = f"{case['model']} {case['options']} {case['kind']}"
+    assert case["warnings"] == [], name
+    parallel = case["kind"] == "model_parallel"
+    rows = devices // 2 if parallel else devices
+    found = case["collectives"]
+    update = sum(size for kind, size, place in found
+                 if kind == "all-reduce" and place == "update")
+    if rows == 1:
+        return
+    # Under ModelParallel each device holds half of every variable (the "model"
+    # axis of 2), so it reduces half of the gradient.
+    assert update == case["gradient_bytes"] // (2 if parallel else 1), (name, found)
+    if not parallel:
+        # (ModelParallel's own traffic, its activations on the "model" axis, runs
+        # in every call, as in Keras's plain step.)
+        every = [(kind, size) for kind, size, place in found if place != "update"]
+        assert all(kind == "all-reduce" and size <= 16 for kind, size in every), (
+            name, found)
 
 
 def test_data_and_model_parallel_on_two_devices_equal_one_device(jobs):

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from gradaccum import _keras_common as kc
 from gradaccum import adapter
 from gradaccum.backend_interface import Findings
-from gradaccum.backends.jax import phases, retry
+from gradaccum.backends.jax import device_sums, phases, retry
 from gradaccum.backends.jax.own_step import Applier
 from gradaccum.backends.jax.phases import Phases
 from gradaccum.backends.jax.record import Carry, FitRecord, Runner
@@ -120,10 +120,16 @@ class Accumulation(adapter.Accumulation):
         # A window record per optimizer the model holds (a model's own step may
         # hand gradients to any of them).
         records = len(kc.named_optimizers(host)) if self.own_train_step is not None else 1
+        layouts = layouts_of(self._variables)
+        # Under a keras.distribution's batch axis: the sums kept per device, reduced
+        # once per update (`device_sums`), where the model allows.
+        rows = device_sums.plan(host, self.options, self._variables, layouts, follower,
+                                self.own_train_step)
         self.state = AccumulationState(
             self._variables, self.options.accumulator_dtype, terms=terms,
-            layouts=layouts_of(self._variables), split=self.options.split,
+            layouts=layouts, split=self.options.split,
             private=private, records=max(1, records), statistics=follower.fields(),
+            rows=rows,
         )
         kc.model_metrics(host).append(self.state)
         self.restore_pending()

@@ -161,7 +161,12 @@ class WindowRecord(FitRecord):
     # Primitives ---------------------------------------------------------------------
 
     def sums(self) -> list:
-        return [self.carry.fields[accumulator_name(i)] for i in self.slots]
+        """The window's sums; kept in rows per device (`device_sums`), the rows
+        added: the update's one all-reduce."""
+        sums = [self.carry.fields[accumulator_name(i)] for i in self.slots]
+        if getattr(self.step, "rows", None) is not None:
+            sums = [jnp.sum(s, axis=0) for s in sums]
+        return sums
 
     def dtypes(self) -> list:
         return [self.step.variable_dtypes[i] for i in self.slots]

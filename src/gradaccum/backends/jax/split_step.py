@@ -90,7 +90,9 @@ def split_batch(step, carry: Carry, data, size):
     # The batch's sums start from zero in the step (the state keeps none).
     for i, variable in enumerate(trainable):
         name = accumulator_name(i)
-        carry.fields[name] = jnp.zeros(variable.shape, entry[name].dtype)
+        dtype = entry[name].dtype
+        carry.fields[name] = (jnp.zeros(variable.shape, dtype) if step.rows is None
+                              else step.rows.zeros(variable.shape, dtype))
     zero = jnp.zeros((), "float32")
     scanned = (list(carry.non_trainable), list(carry.optimizer), list(carry.metrics),
                carry.fields, zero, zero)

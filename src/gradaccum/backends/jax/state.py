@@ -103,8 +103,13 @@ class Packed:
 
     def named(self) -> dict:
         """Every accumulator and field under its stable name (`accumulator_<i>` and
-        the fields: the names checkpoints keep), each field as a `Field` view."""
+        the fields: the names checkpoints keep), each field as a `Field` view, and
+        sums kept in rows per device as one sum (`device_sums.RowView`)."""
         named = {accumulator_name(i): v for i, v in enumerate(self.accumulators)}
+        if getattr(self, "rows", None) is not None and not self.split:
+            from gradaccum.backends.jax.device_sums import RowView
+
+            named = {name: RowView(v) for name, v in named.items()}
         named.update({field: Field(self, field) for field in self.fields})
         return named
 
@@ -132,9 +137,14 @@ class AccumulationState(Packed, keras.metrics.Metric):
     ERRORS = ERRORS
 
     def __init__(self, variables, accumulator_dtype="float32", terms=0, layouts=None,
-                 split=False, private=False, records=1, statistics=()):
+                 split=False, private=False, records=1, statistics=(), rows=None):
         keras.metrics.Metric.__init__(self, name="gradaccum_state")
         self.records = records
+        # Under a keras.distribution's batch axis of N devices, the sums kept per
+        # device (`device_sums.DeviceRows`), or None; in split mode the step's own
+        # (the state keeps a scalar per sum).
+        self.rows = rows
+        self.split = split
         fit = fields(FIT, without=() if private else ("largest_window",))
         # A gradient is never missing at run time on JAX: no `received` counts.
         window = fields(WINDOW, without=("received",))
@@ -147,12 +157,18 @@ class AccumulationState(Packed, keras.metrics.Metric):
         channels = dict(statistics)
         # Under a keras.distribution each accumulator is laid out as its variable
         # (sharded like it, never whole on one device) and every field replicated.
+        # With rows, an accumulator holds one row per device of the batch axis,
+        # each device its own.
         layouts = layouts or [None] * len(variables)
-        self.accumulators = [
-            self._add(() if split else tuple(v.shape), "zeros", accumulator_dtype,
-                      accumulator_name(i), replicated(()) if split else layout)
-            for i, (v, layout) in enumerate(zip(variables, layouts))
-        ]
+        self.accumulators = []
+        for i, (v, layout) in enumerate(zip(variables, layouts)):
+            shape, layout = tuple(v.shape), layout
+            if split:
+                shape, layout = (), replicated(())
+            elif rows is not None:
+                shape, layout = (rows.count, *shape), rows.layout(layout, shape)
+            self.accumulators.append(self._add(shape, "zeros", accumulator_dtype,
+                                               accumulator_name(i), layout))
         weight_dtype = "float64" if accumulator_dtype == "float64" else "float32"
         initial = self.layout(declared, terms, weight_dtype, channels=channels)
         self.counts = self._add(

@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import keras
 
 from gradaccum import _keras_common as kc
+from gradaccum.backends.jax import device_sums, privacy, split_step
 from gradaccum.backends.jax import own_step as _own_step
-from gradaccum.backends.jax import privacy, split_step
 from gradaccum.backends.jax.own_step import Applier
 from gradaccum.backends.jax.record import (
     Carry,
@@ -106,6 +106,12 @@ class TrainStep:
         self.noise_key = None
         if options.privacy is not None:
             self.noise_key = privacy.noise_key(options.privacy.noise_seed())
+        # Under a keras.distribution's batch axis, the sums' rows (one per device,
+        # `device_sums`), or None; where the model's seed states sit (each device
+        # draws from its own).
+        self.rows = state.rows
+        self.seed_slots = device_sums.seed_slots(model) if self.rows is not None else []
+        self.rows_fallback = False
         # Whether the fit can restore inside an epoch (BackupAndRestore): only then
         # does the step carry the branch that skips micro-batches trained on.
         self.resumable = False
@@ -205,6 +211,15 @@ class TrainStep:
         # the scaled loss is the one Keras scales (no extra overflows).
         weighted = policy.mean and not self.loss_scaled and not self.direct
         optimizer_variables = carry.optimizer
+        if self.rows is not None and not self.rows_fallback:
+            try:
+                with self.follower.observing():
+                    return device_sums.gradients(self, carry, x, y, sample_weight, known,
+                                                 weighted)
+            except device_sums.Unsupported as why:
+                # Reduced per micro-batch, as before, into the sums' first row.
+                self.rows_fallback = True
+                device_sums.warn(self.rows.described, str(why))
 
         def objective(trainable, non_trainable, metrics_variables):
             self.normalizers.take()
@@ -229,6 +244,9 @@ class TrainStep:
                 objective, has_aux=True
             )(carry.trainable, carry.non_trainable, carry.metrics)
         unscaled_loss, y_pred, self.forward_state, self.forward_metrics = aux
+        if self.rows is not None:
+            gradients = [None if g is None else self.rows.in_first_row(g)
+                         for g in gradients]
         return unscaled_loss, y_pred, weight, gradients, normalizers, weighted, unit
 
     def _warn_once(self) -> bool:
