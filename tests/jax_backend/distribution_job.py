@@ -7,9 +7,11 @@ tests/jax_backend/test_jax_distribution.py (JAX fixes its devices per process).
 Each case trains a model with `accumulate` under a distribution (`DataParallel` over
 the N devices, or `ModelParallel` on an (N/2, 2) mesh whose LayoutMap shards kernels
 and embeddings on the "model" axis), and the same model with the same options on one
-device; it reports the largest gap between their weights and optimizer variables, and
-each accumulator's sharding beside its variable's. The last line printed is the
-JSON of the results.
+device; it reports the largest gap between their weights and optimizer variables,
+each accumulator's sharding beside its variable's, the fit's warnings and the
+collectives of the compiled train step (`benchmarks/hlo.py`). `VARIANTS` are models
+and options (regularizers, dropout, weighting) trained under DataParallel. The last
+line printed is the JSON of the results.
 """
 
 from __future__ import annotations
@@ -127,7 +129,10 @@ def step_collectives(model, x, y, batch) -> list:
     distribution = keras.distribution.distribution()
     data = tuple(jax.device_put(t[:batch], distribution.get_data_layout(
         t[:batch].shape).backend_layout) for t in (x, y))
-    text = jax.jit(model.train_step).lower(state, data).compile().as_text()
+    # As Keras's trainer compiles it: the state comes back laid out as it went in.
+    shardings = jax.tree_util.tree_map(lambda a: a.sharding, state)
+    text = jax.jit(model.train_step, out_shardings=(None, shardings)).lower(
+        state, data).compile().as_text()
     return [(c.kind, c.bytes, c.place) for c in collectives(text)]
 
 
@@ -217,12 +222,111 @@ def batch_norm_gap() -> float:
         (ours.moving_variance, theirs.moving_variance))))
 
 
+def regularized(seed=0):
+    """The MLP with an L2 kernel regularizer: a loss term every device adds alike."""
+    model = mlp(seed)
+    model.layers[0].kernel_regularizer = keras.regularizers.L2(0.05)
+    return model
+
+
+def active(seed=0):
+    """The MLP with an activity regularizer: a loss term from the samples."""
+    model = mlp(seed)
+    model.layers[0].activity_regularizer = keras.regularizers.L2(0.05)
+    return model
+
+
+def dropped(seed=0):
+    inputs = keras.Input((6,))
+    h = keras.layers.Dense(8, activation="tanh", name="dense_a")(inputs)
+    h = keras.layers.Dropout(0.3, seed=5)(h)
+    model = keras.Model(inputs, keras.layers.Dense(4, name="dense_b")(h))
+    rng = np.random.default_rng(seed)
+    model.set_weights([rng.normal(0, 0.5, w.shape).astype(w.dtype) for w in model.get_weights()])
+    return model
+
+
+class OwnLoss(keras.Model):
+    """A model with its own `compute_loss` (the compiled loss and a term of its
+    own)."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        loss = super().compute_loss(x, y, y_pred, sample_weight, training)
+        return loss + 0.1 * keras.ops.mean(y_pred ** 2)
+
+
+def own_loss(seed=0):
+    inner = mlp(seed)
+    return OwnLoss(inner.inputs, inner.outputs)
+
+
+VARIANTS = {
+    # name: (model, options); each trained on one device and under DataParallel.
+    "regularized": (regularized, {"steps": 3}),
+    "activity": (active, {"steps": 3}),
+    "own_compute_loss": (own_loss, {"steps": 3}),
+    "uniform": (mlp, {"steps": 3, "weighting": "uniform"}),
+    "reduction_sum": (mlp, {"steps": 3, "reduction": "sum"}),
+    "dropout": (dropped, {"steps": 3}),
+    "dropout_reduced": (dropped, {"steps": 3, "sums": "reduced"}),
+}
+
+
+def variant(make, options, distributed):
+    keras.distribution.set_distribution(
+        keras.distribution.DataParallel() if distributed else None)
+    try:
+        keras.utils.set_random_seed(0)
+        model = gradaccum.accumulate(make(), **options)
+        model.compile(keras.optimizers.Adam(0.01), SCE)
+        x, y = data("mlp")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        said = [str(w.message) for w in caught if "gradaccum" in str(w.message)]
+        seeds = [np.asarray(v).tolist() for v in model.non_trainable_variables]
+        return model, history, said, seeds
+    finally:
+        keras.distribution.set_distribution(None)
+
+
+def variants() -> dict:
+    """Each variant's gap from one device, its warnings and its seed states."""
+    found = {}
+    for name, (make, options) in VARIANTS.items():
+        reference, expected, _, seeds = variant(make, options, False)
+        model, history, said, distributed_seeds = variant(make, options, True)
+        found[name] = {
+            "gap": gap(model, reference),
+            "loss_gap": float(np.max(np.abs(np.asarray(history.history["loss"])
+                                            - expected.history["loss"]))),
+            "warnings": said,
+            "seeds_equal": seeds == distributed_seeds,
+        }
+    return found
+
+
+def sharded_refusal() -> str:
+    """sums="sharded" for a model whose sums cannot be kept per device."""
+    def make():
+        inputs = keras.Input((6,))
+        h = keras.layers.BatchNormalization(name="bn")(inputs)
+        model = gradaccum.accumulate(keras.Model(inputs, keras.layers.Dense(4)(h)),
+                                     steps=3, sums="sharded")
+        model.compile(keras.optimizers.Adam(0.01), SCE)
+        return model
+
+    return refusal(keras.distribution.DataParallel(devices=jax.devices()), make)
+
+
 def main():
     results = {"devices": len(jax.devices()), "cases": []}
     results["batch_norm"] = batch_norm_gap()
     results["batch_norm_warnings"] = batch_norm_warnings
     for model_name in MODELS:
-        for options in ({"steps": 3}, {"micro_batch_size": 8}):
+        for options in ({"steps": 3}, {"micro_batch_size": 8},
+                        {"steps": 3, "sums": "sharded"},
+                        {"micro_batch_size": 8, "sums": "sharded"}):
             reference, expected, _ = train(model_name, options)
             for kind in ("data_parallel", "model_parallel"):
                 model, history, shardings = train(model_name, options, kind)
@@ -252,6 +356,8 @@ def main():
     if len(jax.devices()) >= 3:
         results["misfit"] = misfit_layout()
         results["indivisible"] = indivisible_micro_batch()
+        results["variants"] = variants()
+        results["sharded_refusal"] = sharded_refusal()
     print(json.dumps(results))
 
 

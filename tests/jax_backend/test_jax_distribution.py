@@ -1,6 +1,10 @@
-"""keras.distribution on JAX (issue 30): `DataParallel` and `ModelParallel` on 2 and 4
-virtual CPU devices, each exact against one device, with every accumulator laid out as
-its variable (sharded like it under a LayoutMap, never whole on one device).
+"""keras.distribution on JAX: `DataParallel` and `ModelParallel` on 2 and 4 virtual
+CPU devices, each exact against one device. Each device of the batch axis keeps its
+own sums (`sums="local"`: a row each, added once per update) or 1/N of them
+(`sums="sharded"`: reduce-scattered per micro-batch, gathered per update), laid out
+with its variable's own sharding; the compiled step's collectives are read from its
+HLO (`benchmarks/hlo.py`). Models whose sums cannot be kept per device are reduced
+per micro-batch, with a warning that says why.
 
 JAX fixes its devices when it starts, so each device count runs in a child process
 (`distribution_job.py`, with `--xla_force_host_platform_device_count=N`)."""
@@ -13,13 +17,14 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 JOB = pathlib.Path(__file__).with_name("distribution_job.py")
 CASES = [
     (model, options, kind)
     for model in ("mlp", "tokens")
-    for options in ("steps", "micro_batch_size")
+    for options in ("steps", "micro_batch_size", "steps sharded", "micro_batch_size sharded")
     for kind in ("data_parallel", "model_parallel")
 ]
 
@@ -69,6 +74,7 @@ def _check(results, devices):
         assert case["gap"] < 1e-6, (name, case["gap"])
         assert case["loss_gap"] < 1e-5, (name, case["loss_gap"])
         steps = "steps" in case["options"]
+        sharded = case["options"].get("sums") == "sharded"
         # 48 samples: 6 batches of 8 in windows of 3 (steps), or 4 batches of 12 each
         # one window (split mode, micro-batches of 8 and a shorter last one).
         assert case["updates"] == ([2.0, 4.0] if steps else [4.0, 8.0]), name
@@ -79,6 +85,16 @@ def _check(results, devices):
                 assert sharding["accumulator_shard"] == [], (name, path)
                 continue
             rows = devices // 2 if case["kind"] == "model_parallel" else devices
+            if sharded and rows > 1 and sharding["accumulator_shape"] == sharding["shape"]:
+                # 1/N of the sums on each device: the variable's layout with the
+                # batch axis on one more dimension (the largest that divides; a
+                # variable with none left, as a bias ModelParallel shards, keeps
+                # rows as below).
+                assert "'batch'" in sharding["accumulator"], (name, path)
+                assert sharding["accumulator_shape"] == sharding["shape"], (name, path)
+                held = np.prod(sharding["accumulator_shard"])
+                assert held * rows == np.prod(sharding["variable_shard"]), (name, path)
+                continue
             if rows == 1:
                 # A batch axis of one device: the accumulator sits where its
                 # variable sits (the same spec, the same shard on each device).
@@ -94,7 +110,7 @@ def _check(results, devices):
                 name, path)
             assert sharding["accumulator_shape"] == [rows, *sharding["shape"]], (name, path)
         _check_collectives(case, devices)
-        if case["kind"] == "model_parallel" and steps:
+        if case["kind"] == "model_parallel" and steps and not sharded:
             kernels = [s for p, s in case["shardings"].items()
                        if p.endswith(("kernel", "embeddings"))]
             assert kernels and all("'model'" in s["accumulator"] for s in kernels), name
@@ -112,13 +128,29 @@ def _check_collectives(case, devices):
     parallel = case["kind"] == "model_parallel"
     rows = devices // 2 if parallel else devices
     found = case["collectives"]
-    update = sum(size for kind, size, place in found
-                 if kind == "all-reduce" and place == "update")
     if rows == 1:
         return
     # Under ModelParallel each device holds half of every variable (the "model"
     # axis of 2), so it reduces half of the gradient.
-    assert update == case["gradient_bytes"] // (2 if parallel else 1), (name, found)
+    held = case["gradient_bytes"] // (2 if parallel else 1)
+    if case["options"].get("sums") == "sharded":
+        # sums="sharded": the gradient reduce-scattered in every micro-batch (each
+        # device receives its 1/N), gathered whole once per update (a variable
+        # with no dimension left to shard keeps rows, added once per update).
+        gathered = sum(size for kind, size, place in found
+                       if kind in ("all-gather", "all-reduce") and place == "update")
+        assert gathered == held, (name, found)
+        if not parallel:
+            scattered = sum(size for kind, size, place in found
+                            if kind == "reduce-scatter" and place != "update")
+            # (Split mode's batch of 12: a micro-batch of 8 and the last of 4.)
+            micro_batches = 2 if "micro_batch_size" in case["options"] else 1
+            assert scattered * rows == held * micro_batches, (name, found)
+            assert not [c for c in found if c[0] == "all-reduce" and c[1] > 16], name
+        return
+    update = sum(size for kind, size, place in found
+                 if kind == "all-reduce" and place == "update")
+    assert update == held, (name, found)
     if not parallel:
         # (ModelParallel's own traffic, its activations on the "model" axis, runs
         # in every call, as in Keras's plain step.)
@@ -146,6 +178,46 @@ def test_data_and_model_parallel_on_four_devices_equal_one_device(jobs):
         "divisible by its axes' size. Received: layout (None, 'model') on mesh "
         "{'batch': 1, 'model': 3} for variable 'built_on_one_device/dense_b/kernel' of shape "
         "(8, 4)"
+    )
+    # Variants under DataParallel on 4 devices: exact against one device, each
+    # device's sums its own where the model allows, else reduced per micro-batch
+    # with a warning that says why.
+    variants = results["variants"]
+    fallback = ("gradaccum all-reduces each micro-batch's gradient under DataParallel "
+                "(4 devices on mesh axis 'batch'): {}, so its sums cannot be kept per "
+                "device. An update then costs one gradient all-reduce per micro-batch, "
+                "as Keras's own step does.")
+    reasons = {
+        "regularized": None,  # a weight regularizer: every device adds it alike
+        "activity": "its forward pass adds losses computed from the samples (an "
+                    "activity regularizer, `add_loss`)",
+        "own_compute_loss": "the model's own `compute_loss` may compare its samples "
+                            "with each other or add terms computed from them",
+        "uniform": "weighting='uniform' leaves each device's share of the loss unknown "
+                   '(weighting="exact" reads it from the compiled loss)',
+        "reduction_sum": 'reduction="sum" leaves each device\'s share of the loss '
+                         "unknown (a summed loss adds up over the devices, a mean one "
+                         "does not)",
+        "dropout_reduced": None,
+    }
+    for name, reason in reasons.items():
+        found = variants[name]
+        assert found["gap"] < 1e-6 and found["loss_gap"] < 1e-5, (name, found)
+        assert found["warnings"] == ([] if reason is None else [fallback.format(reason)])
+    # Dropout: each device draws its own masks (as TensorFlow's replicas and DDP's
+    # processes do), so it trains otherwise than one device, its seeds moving as
+    # one device's; sums="reduced" draws one device's masks.
+    dropout = variants["dropout"]
+    assert dropout["gap"] > 1e-3 and dropout["warnings"] == [], dropout
+    assert dropout["seeds_equal"] and variants["dropout_reduced"]["seeds_equal"]
+    # sums="sharded" where the sums cannot be kept per device: an error, not a
+    # warning (the memory asked for would not be saved).
+    assert results["sharded_refusal"] == (
+        '`sums="sharded"` needs each device to compute its own share of a '
+        "micro-batch's gradient, which this model cannot under DataParallel (4 "
+        "devices on mesh axis 'batch'): BatchNormalization layer(s) 'bn' normalize "
+        'over all the devices\' samples. Received: sums="sharded"; pass sums="local" '
+        '(each device keeps whole sums) or sums="reduced".'
     )
     # A micro-batch size the devices cannot share equally.
     assert results["indivisible"] == (

@@ -105,12 +105,24 @@ OPTIONS = (
         cannot be followed (renorm, a custom layer that moves its own statistics) is
         named in a warning. `"micro_batch"`: Keras's behaviour, a move per
         micro-batch."""),
+    Option("sums", "local", """
+        where the window's sums sit across the devices of a keras.distribution's
+        batch axis (JAX; N devices): `"local"` (default): each device adds its own
+        share of every micro-batch into whole sums of its own, and the devices' sums
+        are added once per update (one all-reduce). `"sharded"`: each device keeps
+        1/N of the sums, the devices' gradients reduce-scattered into them at every
+        micro-batch. `"reduced"`: each micro-batch's gradient is all-reduced before
+        it is added (Keras's own step's communication: for a loss that compares a
+        micro-batch's samples with each other, such as in-batch negatives). On one
+        device the three are the same."""),
     Option("privacy", None, """
         a `gradaccum.Privacy`: differentially private training (DP-SGD), each
         example's gradient clipped, the noise added once per window (see there).
         Needs Keras's default train step and the compiled loss."""),
 )
 NAMES = tuple(option.name for option in OPTIONS)
+# Where the sums sit across a distribution's data-parallel devices (`sums`).
+SUMS = ("local", "sharded", "reduced")
 DEFAULTS = {option.name: option.default for option in OPTIONS}
 
 
@@ -128,6 +140,7 @@ class AccumulationOptions(TypedDict, total=False):
     accumulator_dtype: DType
     nonfinite: Nonfinite
     moving_statistics: str
+    sums: str
     privacy: Privacy | None
 
 
@@ -238,6 +251,7 @@ class Options:
                 f"change the update. Received: weighting={weighting!r}, "
                 f"reduction={reduction!r}"
             )
+        self.sums = check_choice("sums", values["sums"], SUMS)
         # Differentially private training (`gradaccum.Privacy`), or None.
         self.privacy = check_privacy(values["privacy"])
         if self.privacy is not None:

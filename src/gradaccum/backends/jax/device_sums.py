@@ -54,53 +54,101 @@ class Unsupported(Exception):
 
 @dataclass(frozen=True)
 class DeviceRows:
-    """The sums' rows: one per device of the batch axis.
+    """Where the sums sit across the devices of the batch axis.
 
     Args:
         count: N, the devices the batch is sharded over.
         axes: the mesh axis names of the batch (one, or several together).
         mesh: the JAX mesh.
         described: the distribution and its batch axis, for messages.
+        dims: per variable, None where its sums are kept in rows (`sums="local"`,
+            or a variable no dimension of which splits over the N devices), else
+            the dimension its sums are sharded on (`sums="sharded"`).
+        specs: per variable, its layout's axes (None: whole on every device).
     """
 
     count: int
     axes: tuple
     mesh: object
     described: str
+    dims: tuple
+    specs: tuple
 
-    def spec(self, dimensions: int) -> PartitionSpec:
-        """Rows sharded over the batch axes, the other `dimensions` whole."""
-        return PartitionSpec(self.axes if len(self.axes) > 1 else self.axes[0],
-                             *([None] * dimensions))
+    @property
+    def batch(self):
+        """The batch's mesh axis as a spec names it (several: a tuple)."""
+        return self.axes if len(self.axes) > 1 else self.axes[0]
 
-    def layout(self, variable_layout, shape) -> keras.distribution.TensorLayout:
-        """The accumulator's layout: rows over the batch axes, then the variable's."""
-        axes = (list(getattr(variable_layout, "axes", ()) or ())
-                or [None] * len(shape))
-        batch = self.axes if len(self.axes) > 1 else self.axes[0]
-        distribution = keras.distribution.distribution()
-        return keras.distribution.TensorLayout([batch, *axes], distribution.device_mesh)
+    def layout(self, index: int, shape) -> keras.distribution.TensorLayout:
+        """Accumulator `index`'s layout (`spec`) for a variable of `shape`."""
+        mesh = keras.distribution.distribution().device_mesh
+        return keras.distribution.TensorLayout(list(self.spec(index, len(shape))), mesh)
 
-    def zeros(self, shape, dtype):
-        """Empty rows for a variable of `shape` (inside a jitted step)."""
-        array = jnp.zeros((self.count, *shape), dtype)
-        sharding = jax.sharding.NamedSharding(self.mesh, self.spec(len(shape)))
-        return jax.lax.with_sharding_constraint(array, sharding)
+    def shape(self, index: int, shape) -> tuple:
+        """Accumulator `index`'s shape for a variable of `shape`."""
+        return tuple(shape) if self.dims[index] is not None else (self.count, *shape)
 
-    def in_first_row(self, gradient):
-        """A whole gradient (reduced already) as rows: itself in row 0, zeros in the
-        others (each device writes its own row: nothing moves)."""
+    def out_spec(self, index: int, ndim: int) -> PartitionSpec:
+        """The spec `jax.shard_map` gives device gradient `index` (`ndim`: the
+        variable's), as `gradients` returns it: a row, or a shard."""
+        dim = self.dims[index]
+        if dim is None:
+            return PartitionSpec(self.batch)
+        return PartitionSpec(*[self.batch if d == dim else None for d in range(ndim)])
+
+    def spec(self, index: int, ndim: int) -> PartitionSpec:
+        """Accumulator `index`'s whole spec (`ndim`: its variable's): rows over the
+        batch axes then the variable's axes, or the variable's axes with the batch
+        axes on its sharded dimension."""
+        axes = list(self.specs[index] or (None,) * ndim)
+        dim = self.dims[index]
+        if dim is None:
+            return PartitionSpec(self.batch, *axes)
+        axes[dim] = self.batch
+        return PartitionSpec(*axes)
+
+    def constrain(self, index: int, total):
+        """Accumulator `index`'s sums (rows or shards) held where they belong: left
+        to XLA, a `where` over sharded sums may gather them whole and slice them
+        again, in every call."""
+        ndim = total.ndim - (self.dims[index] is None)
+        return jax.lax.with_sharding_constraint(
+            total, jax.sharding.NamedSharding(self.mesh, self.spec(index, ndim)))
+
+    def zeros(self, index: int, shape, dtype):
+        """Empty sums for accumulator `index` (inside a jitted step)."""
+        return self.constrain(index, jnp.zeros(self.shape(index, shape), dtype))
+
+    def whole(self, index: int, total):
+        """Accumulator `index`'s sums as one, laid out as its variable: its rows
+        added (the update's one all-reduce), or its shards gathered (an
+        all-gather). Called in the update's branch, so that nothing but the
+        update moves them: left to XLA, a sharded sum would update the weights and
+        the optimizer's slots in shards and gather all three after the branch, in
+        every call."""
+        whole = jnp.sum(total, axis=0) if self.dims[index] is None else total
+        spec = self.specs[index] or (None,) * whole.ndim
+        return jax.lax.with_sharding_constraint(
+            whole, jax.sharding.NamedSharding(self.mesh, PartitionSpec(*spec)))
+
+    def from_whole(self, index: int, gradient):
+        """A whole gradient (reduced already) as accumulator `index` holds it:
+        itself in row 0, zeros in the others (each device writes its own row:
+        nothing moves); a sharded one as it is (each device adds its shard)."""
+        if self.dims[index] is not None:
+            return gradient
         first = jnp.arange(self.count) == 0
         first = first.reshape((self.count,) + (1,) * gradient.ndim)
         return jnp.where(first, gradient[None], jnp.zeros_like(gradient)[None])
 
 
 def plan(model, options, variables, layouts, follower, own_step) -> DeviceRows | None:
-    """The rows the sums keep under the current distribution, or None: no batch axis
-    of several devices, a window of one micro-batch (nothing to keep), or a model that
-    cannot keep its sums per device (then warned, with why)."""
+    """Where the sums sit under the current distribution, or None (reduced in every
+    micro-batch, as XLA does it): no batch axis of several devices, a window of one
+    micro-batch (nothing to keep), `sums="reduced"`, or a model that cannot keep
+    its sums per device (then warned, with why; an error with `sums="sharded"`)."""
     distribution = keras.distribution.distribution()
-    if distribution is None:
+    if distribution is None or options.sums == "reduced":
         return None
     shards = Shards.of_batch()
     if shards.count <= 1:
@@ -111,8 +159,19 @@ def plan(model, options, variables, layouts, follower, own_step) -> DeviceRows |
     if options.window.constant == 1 and not options.split:
         return None
     why = None
+    overridden = [name for name in ("compute_loss", "compute_loss_and_updates")
+                  if getattr(type(model), name) is not getattr(keras.Model, name)]
     if own_step is not None:
         why = "the model's own `train_step` computes its gradients itself"
+    elif overridden:
+        why = (f"the model's own `{overridden[0]}` may compare its samples with each "
+               "other or add terms computed from them")
+    elif options.weighting != "exact":
+        why = (f"weighting={options.weighting!r} leaves each device's share of the "
+               'loss unknown (weighting="exact" reads it from the compiled loss)')
+    elif options.reduction == "sum":
+        why = ('reduction="sum" leaves each device\'s share of the loss unknown (a '
+               "summed loss adds up over the devices, a mean one does not)")
     elif options.privacy is not None:
         why = "DP-SGD clips each example's gradient across the whole micro-batch"
     elif callable(options.nonfinite):
@@ -125,17 +184,44 @@ def plan(model, options, variables, layouts, follower, own_step) -> DeviceRows |
         why = f"BatchNormalization layer(s) {names} normalize over all the devices' samples"
     else:
         for variable, layout in zip(variables, layouts):
-            used = set()
-            for axis in getattr(layout, "axes", ()) or ():
-                used |= {axis} if isinstance(axis, str) else set(axis or ())
-            if used & set(axes):
+            if _axes_of(layout) & set(axes):
                 why = (f"the layout {tuple(layout.axes)} of variable {variable.path!r} "
                        f"shards it over the batch axis {shards.axis!r}")
                 break
     if why is not None:
+        if options.sums == "sharded":
+            raise ValueError(
+                f'`sums="sharded"` needs each device to compute its own share of a '
+                f"micro-batch's gradient, which this model cannot under {described}: "
+                f'{why}. Received: sums="sharded"; pass sums="local" (each device '
+                'keeps whole sums) or sums="reduced".'
+            )
         warn(described, why)
         return None
-    return DeviceRows(shards.count, axes, shards.mesh, described)
+    dims = tuple(
+        _shard_dimension(variable, layout, shards.count)
+        if options.sums == "sharded" else None
+        for variable, layout in zip(variables, layouts))
+    specs = tuple(tuple(getattr(layout, "axes", ()) or ()) or None for layout in layouts)
+    return DeviceRows(shards.count, axes, shards.mesh, described, dims, specs)
+
+
+def _axes_of(layout) -> set:
+    """The mesh axes a layout shards its variable over."""
+    used: set = set()
+    for axis in getattr(layout, "axes", ()) or ():
+        used |= {axis} if isinstance(axis, str) else set(axis or ())
+    return used
+
+
+def _shard_dimension(variable, layout, count: int) -> int | None:
+    """The dimension a variable's sums are sharded on over `count` devices: the
+    largest one its layout leaves whole that divides by `count` (None: kept in rows,
+    as a bias of a size no device count divides)."""
+    axes = list(getattr(layout, "axes", ()) or ()) or [None] * len(variable.shape)
+    fits = [(size, d) for d, (size, axis) in enumerate(zip(variable.shape, axes))
+            if axis is None and size % count == 0]
+    return max(fits)[1] if fits else None
 
 
 def warn(described: str, why: str) -> None:
@@ -183,89 +269,113 @@ def seed_slots(model) -> list[int]:
     return [i for i, v in enumerate(model.non_trainable_variables) if id(v) in states]
 
 
-def gradients(step, carry, x, y, sample_weight, known, weighted):
-    """Keras's step's `gradients` with the sums in rows: each device's share of the
-    micro-batch's gradient, stacked `(N, ...)`, and the micro-batch's loss, weight and
-    normalizers as one device would have them. Raises `Unsupported` (while tracing)
-    where the model's forward pass cannot run per device."""
-    from gradaccum.core import transitions as tr
-
+def gradients(step, carry, x, y, sample_weight, weighted):
+    """Keras's step's `gradients` with the sums kept per device: each device's
+    share of the micro-batch's gradient as its accumulator holds it (a row of
+    `(N, ...)`, or its shard of the devices' sum: a reduce-scatter), and the
+    micro-batch's loss, weight and normalizers as one device would have them.
+    Raises `Unsupported` (while tracing) where the model's step cannot be cut per
+    device."""
     rows: DeviceRows = step.rows
-    model, policy = step.model, step.policy
-    axes = rows.axes if len(rows.axes) > 1 else rows.axes[0]
+    model = step.model
+    axes = rows.batch
     seeds = step.seed_slots
     trainable, non_trainable = carry.trainable, carry.non_trainable
     metrics, optimizer = carry.metrics, carry.optimizer
+    options = {"training": True} if model._call_has_training_arg else {}
 
-    def local(trainable, non_trainable, metrics, optimizer, data):
+    def local(trainable, non_trainable, metrics, optimizer_variables, data):
         x, y, sample_weight = data
         device = jax.lax.axis_index(axes)
         varying = jax.lax.pcast(list(trainable), axes, to="varying")
-        non_trainable = list(non_trainable)
+        drawn = list(non_trainable)
         offset = jnp.asarray([_SEED_STRIDE, 0], "uint32") * device.astype("uint32")
         for i in seeds:
-            value = non_trainable[i]
-            non_trainable[i] = (value.astype("uint32") + offset).astype(value.dtype)
+            drawn[i] = (drawn[i].astype("uint32") + offset).astype(drawn[i].dtype)
 
-        def objective(trainable):
+        def objective(weights):
+            # Keras's `compute_loss_and_updates`, with the forward pass's own
+            # losses checked: a term computed from the samples (an activity
+            # regularizer, `add_loss`) may be a mean or a sum over them, which
+            # no share of it makes the large batch's.
+            y_pred, moved, losses = model.stateless_call(
+                weights, drawn, x, return_losses=True, **options)
+            if losses:
+                _, _, probed = model.stateless_call(
+                    trainable, non_trainable, x, return_losses=True, **options)
+                if any(_varies(term, rows) for term in probed):
+                    raise Unsupported(
+                        "its forward pass adds losses computed from the samples "
+                        "(an activity regularizer, `add_loss`)")
+                model._losses_override.clear()
+                model._losses_override = losses
             step.normalizers.take()
-            loss, aux = model.compute_loss_and_updates(
-                trainable, non_trainable, metrics, x, y, sample_weight,
-                training=True, optimizer_variables=optimizer,
-            )
+            try:
+                loss, (_, moved, updated) = model.stateless_compute_loss(
+                    weights, moved, metrics, x=x, y=y, y_pred=y_pred,
+                    sample_weight=sample_weight, training=True)
+            finally:
+                if losses:
+                    model._losses_override.clear()
             normalizers = step.normalizers.take()
             if len(normalizers) != 1:
                 raise Unsupported(
                     "its loss has several normalized terms" if normalizers else
-                    "its loss was computed without a compiled loss to weigh devices by"
-                )
+                    "its loss was computed without a compiled loss to weigh devices by")
+            unscaled = loss
+            mapping = list(zip(model.optimizer.variables, optimizer_variables))
+            with keras.StatelessScope(state_mapping=mapping):
+                loss = model.optimizer.scale_loss(loss)
+            # Device d's loss divides by its normalizer n_d; the micro-batch's by
+            # their sum n: d's share is n_d / n, and terms every device adds alike
+            # (weight regularizers) count once.
             mine = jax.lax.stop_gradient(jnp.asarray(normalizers[0], "float32"))
             total = jax.lax.psum(mine, axes)
             share = jnp.where(total > 0, mine / jnp.where(total > 0, total, 1.0), 0.0)
-            if not policy.mean:
-                share = jnp.ones_like(share)
-            weight = known
-            if weight is None:
-                weight = tr.weigh(policy, x, y, sample_weight, [total], None,
-                                  warn=False)
-            # (`tr.loss_factor` without float8 layers: the weight where the step
-            # weighs its loss.)
+            # (`tr.loss_factor` without float8 layers: the micro-batch's weight, n,
+            # where the step weighs its loss.)
             value = loss * share.astype(loss.dtype)
             if weighted:
-                value = value * jnp.asarray(weight).astype(loss.dtype)
-            return value, (aux, weight, total, share)
+                value = value * total.astype(loss.dtype)
+            return value, (unscaled, y_pred, moved, updated, total, share)
 
-        (_, (aux, weight, total, share)), grads = jax.value_and_grad(
-            objective, has_aux=True)(varying)
-        unscaled, y_pred, new_non_trainable, new_metrics = aux
-        new_non_trainable = list(new_non_trainable)
+        (_, aux), grads = jax.value_and_grad(objective, has_aux=True)(varying)
+        unscaled, y_pred, moved, updated, total, share = aux
+        moved = list(moved)
         for i in seeds:
-            value = new_non_trainable[i]
-            moved = value.astype("uint32") - offset
-            new_non_trainable[i] = jax.lax.pmax(moved, axes).astype(value.dtype)
+            # Every device drew as many numbers: its seed moved as the others'.
+            back = moved[i].astype("uint32") - offset
+            moved[i] = jax.lax.pmax(back, axes).astype(moved[i].dtype)
         for kind, values, references in (
-                ("non-trainable", new_non_trainable, model.non_trainable_variables),
-                ("metric", new_metrics, model.metrics_variables)):
+                ("non-trainable", moved, model.non_trainable_variables),
+                ("metric", updated, model.metrics_variables)):
             for value, reference in zip(values, references):
-                if set(jax.typeof(value).mat.varying) & set(rows.axes):
+                if _varies(value, rows):
                     raise Unsupported(
                         f"the training step changes {kind} variable "
-                        f"{reference.path!r} from each device's samples"
-                    )
+                        f"{reference.path!r} from each device's samples")
         loss = (unscaled.astype("float32") * share)[None]
-        return ([g[None] for g in grads], loss, y_pred, jnp.asarray(weight), total,
-                new_non_trainable, list(new_metrics))
+        held = [g[None] if dim is None else
+                jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
+                for g, dim in zip(grads, rows.dims)]
+        return held, loss, y_pred, total, moved, list(updated)
 
     batch = PartitionSpec(axes)
     whole = PartitionSpec()
-    outputs = jax.shard_map(
+    held, losses, y_pred, total, moved, updated = jax.shard_map(
         local, mesh=rows.mesh,
         in_specs=(whole, whole, whole, whole, batch),
-        out_specs=(batch, batch, batch, whole, whole, whole, whole),
+        out_specs=([rows.out_spec(i, len(v.shape)) for i, v in enumerate(trainable)],
+                   batch, batch, whole, whole, whole),
         axis_names=set(rows.axes),
     )(list(trainable), list(non_trainable), list(metrics), list(optimizer),
       (x, y, sample_weight))
-    grads, losses, y_pred, weight, total, new_non_trainable, new_metrics = outputs
-    step.forward_state = list(new_non_trainable)
-    step.forward_metrics = list(new_metrics)
-    return jnp.sum(losses), y_pred, weight, list(grads), [total], weighted, None
+    step.forward_state = list(moved)
+    step.forward_metrics = list(updated)
+    return jnp.sum(losses), y_pred, total, list(held), [total], weighted, None
+
+
+def _varies(value, rows: DeviceRows) -> bool:
+    """Whether a traced value inside `gradients`' `shard_map` differs from device to
+    device of the batch axis (it was computed from the device's samples)."""
+    return bool(set(jax.typeof(value).mat.varying) & set(rows.axes))

@@ -161,12 +161,11 @@ class WindowRecord(FitRecord):
     # Primitives ---------------------------------------------------------------------
 
     def sums(self) -> list:
-        """The window's sums; kept in rows per device (`device_sums`), the rows
-        added: the update's one all-reduce."""
-        sums = [self.carry.fields[accumulator_name(i)] for i in self.slots]
-        if getattr(self.step, "rows", None) is not None:
-            sums = [jnp.sum(s, axis=0) for s in sums]
-        return sums
+        """The window's sums; kept per device (`device_sums`), as one."""
+        rows = getattr(self.step, "rows", None)
+        return [self.carry.fields[accumulator_name(i)] if rows is None
+                else rows.whole(i, self.carry.fields[accumulator_name(i)])
+                for i in self.slots]
 
     def dtypes(self) -> list:
         return [self.step.variable_dtypes[i] for i in self.slots]
@@ -184,6 +183,9 @@ class WindowRecord(FitRecord):
             if factor is not None:
                 g = g * jnp.asarray(factor).astype(g.dtype)
             fields[name] = jnp.where(accept, total + g.astype(total.dtype), total)
+            rows = getattr(self.step, "rows", None)
+            if rows is not None:
+                fields[name] = rows.constrain(i, fields[name])
 
     def close(self, apply, close, update, finish, empty_sums=True):
         carry = self.carry

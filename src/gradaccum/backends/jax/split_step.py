@@ -92,7 +92,7 @@ def split_batch(step, carry: Carry, data, size):
         name = accumulator_name(i)
         dtype = entry[name].dtype
         carry.fields[name] = (jnp.zeros(variable.shape, dtype) if step.rows is None
-                              else step.rows.zeros(variable.shape, dtype))
+                              else step.rows.zeros(i, variable.shape, dtype))
     zero = jnp.zeros((), "float32")
     scanned = (list(carry.non_trainable), list(carry.optimizer), list(carry.metrics),
                carry.fields, zero, zero)

@@ -104,12 +104,14 @@ class Packed:
     def named(self) -> dict:
         """Every accumulator and field under its stable name (`accumulator_<i>` and
         the fields: the names checkpoints keep), each field as a `Field` view, and
-        sums kept in rows per device as one sum (`device_sums.RowView`)."""
+        sums kept in rows per device as one sum (`device_sums.RowView`; sharded sums
+        are one already)."""
         named = {accumulator_name(i): v for i, v in enumerate(self.accumulators)}
         if getattr(self, "rows", None) is not None and not self.split:
             from gradaccum.backends.jax.device_sums import RowView
 
-            named = {name: RowView(v) for name, v in named.items()}
+            named = {name: v if self.rows.dims[i] is not None else RowView(v)
+                     for i, (name, v) in enumerate(named.items())}
         named.update({field: Field(self, field) for field in self.fields})
         return named
 
@@ -158,7 +160,7 @@ class AccumulationState(Packed, keras.metrics.Metric):
         # Under a keras.distribution each accumulator is laid out as its variable
         # (sharded like it, never whole on one device) and every field replicated.
         # With rows, an accumulator holds one row per device of the batch axis,
-        # each device its own.
+        # each device its own; or sharded over it (`sums="sharded"`).
         layouts = layouts or [None] * len(variables)
         self.accumulators = []
         for i, (v, layout) in enumerate(zip(variables, layouts)):
@@ -166,7 +168,7 @@ class AccumulationState(Packed, keras.metrics.Metric):
             if split:
                 shape, layout = (), replicated(())
             elif rows is not None:
-                shape, layout = (rows.count, *shape), rows.layout(layout, shape)
+                shape, layout = rows.shape(i, shape), rows.layout(i, shape)
             self.accumulators.append(self._add(shape, "zeros", accumulator_dtype,
                                                accumulator_name(i), layout))
         weight_dtype = "float64" if accumulator_dtype == "float64" else "float32"

@@ -214,7 +214,7 @@ class TrainStep:
         if self.rows is not None and not self.rows_fallback:
             try:
                 with self.follower.observing():
-                    return device_sums.gradients(self, carry, x, y, sample_weight, known,
+                    return device_sums.gradients(self, carry, x, y, sample_weight,
                                                  weighted)
             except device_sums.Unsupported as why:
                 # Reduced per micro-batch, as before, into the sums' first row.
@@ -245,8 +245,8 @@ class TrainStep:
             )(carry.trainable, carry.non_trainable, carry.metrics)
         unscaled_loss, y_pred, self.forward_state, self.forward_metrics = aux
         if self.rows is not None:
-            gradients = [None if g is None else self.rows.in_first_row(g)
-                         for g in gradients]
+            gradients = [None if g is None else self.rows.from_whole(i, g)
+                         for i, g in enumerate(gradients)]
         return unscaled_loss, y_pred, weight, gradients, normalizers, weighted, unit
 
     def _warn_once(self) -> bool:
