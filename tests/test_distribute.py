@@ -320,6 +320,24 @@ def test_wrap_refuses_a_model_built_outside_the_strategy_scope():
     )
 
 
+@pytest.mark.parametrize("sums", ["sharded", "reduced"])
+def test_fit_refuses_sums_other_than_local_under_several_replicas(sums):
+    strategy = mirrored()
+    x, y = data(16)
+    with strategy.scope():
+        model = gradaccum.accumulate(mlp(), steps=2, sums=sums)
+        model.compile(keras.optimizers.Adam(0.02), SCE)
+    with pytest.raises(ValueError) as info:
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert str(info.value) == (
+        '`sums` must be "local" under tf.distribute: each replica keeps whole sums of '
+        f"its own micro-batches, added once per update. Received: sums={sums!r} under "
+        'MirroredStrategy with 2 replicas. Pass sums="local"; sums="sharded" runs on '
+        "JAX under keras.distribution and on PyTorch under DistributedDataParallel "
+        "(GradientAccumulator)."
+    )
+
+
 def test_custom_loop_refuses_an_accumulator_of_variables_built_outside_the_scope():
     strategy = mirrored()
     model = mlp()

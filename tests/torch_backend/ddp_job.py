@@ -10,6 +10,9 @@ counts the all-reduces DDP makes itself. Modes, each on a fresh model and DDP:
 
 - `steps`: `GradientAccumulator(steps=STEPS)`, each micro-batch's forward and
   backward inside `acc.no_sync(ddp)`, `acc.step(optimizer, grads, weight=len(x))`.
+- `sharded`: `steps` with `sums="sharded"` (each rank keeps half of the sums,
+  reduce-scattered per micro-batch); its state saved in the middle of the first
+  pass's second window and loaded into a new accumulator, which goes on.
 - `budget`: the same with `weight_per_update=BUDGET` (the global window's weight),
   `process_group=dist.group.WORLD` given.
 - `overwrite`: `steps` with one more variable marked `overwrite_with_gradient`
@@ -94,15 +97,21 @@ def train(mode: str, rank: int) -> dict:
         optimizer.build(variables)
     if mode in ("steps", "overwrite"):
         acc = gradaccum.GradientAccumulator(variables, steps=STEPS)
+    elif mode == "sharded":
+        acc = gradaccum.GradientAccumulator(variables, steps=STEPS, sums="sharded")
     elif mode == "budget":
         # The group given explicitly (the same as "auto" here).
         acc = gradaccum.GradientAccumulator(variables, weight_per_update=BUDGET,
                                             process_group=dist.group.WORLD)
-    log = {"ddp_all_reduces": [], "gradaccum_all_reduces": [], "window_weight": []}
+    log = {"ddp_all_reduces": [], "gradaccum_all_reduces": [], "window_weight": [],
+           "reduce_scatters": [], "all_gathers": []}
+    shard_sizes = []
 
     def updated():
         log["ddp_all_reduces"].append(counter.all_reduces)
         log["gradaccum_all_reduces"].append(0 if acc is None else acc.all_reduces)
+        log["reduce_scatters"].append(0 if acc is None else acc.reduce_scatters)
+        log["all_gathers"].append(0 if acc is None else acc.all_gathers)
         log["window_weight"].append(
             None if acc is None else float(acc.last_window_weight.numpy()))
 
@@ -121,6 +130,17 @@ def train(mode: str, rank: int) -> dict:
                     grads.append(torch.tensor(10.0 * rank + i))
                 if bool(acc.step(optimizer, grads, weight=len(index))):
                     updated()
+                if mode == "sharded" and i == 4 and not shard_sizes:
+                    # In the middle of a window: the state saved and loaded into a
+                    # new accumulator (as a resumed job would), which goes on.
+                    saved = {k: v.clone() for k, v in acc.state_dict().items()}
+                    shard_sizes.append(int(saved["accumulator_shard"].numel()))
+                    counts = (acc.all_reduces, acc.reduce_scatters, acc.all_gathers)
+                    acc = gradaccum.GradientAccumulator(variables, steps=STEPS,
+                                                        sums="sharded")
+                    acc.load_state_dict(saved)
+                    acc._reducer.all_reduces, acc._reducer.reduce_scatters, \
+                        acc._reducer.all_gathers = counts
                 continue
             # Plain DDP accumulation: backward synchronized per micro-batch, the
             # gradients summed in `.grad`, the window's micro-batches averaged.
@@ -145,6 +165,9 @@ def train(mode: str, rank: int) -> dict:
         "iterations": int(optimizer.iterations.numpy()),
         "ddp_all_reduces": counter.all_reduces,
         "gradaccum_all_reduces": 0 if acc is None else acc.all_reduces,
+        "reduce_scatters": 0 if acc is None else acc.reduce_scatters,
+        "all_gathers": 0 if acc is None else acc.all_gathers,
+        "shard_size": shard_sizes[0] if shard_sizes else None,
         **{f"per_update_{k}": v for k, v in log.items()},
     }
 
@@ -155,7 +178,8 @@ def main(rank: int, port: str, folder: str) -> None:
     try:
         results = {"world_size": dist.get_world_size(),
                    **{mode: train(mode, rank)
-                      for mode in ("steps", "budget", "overwrite", "builtin")}}
+                      for mode in ("steps", "sharded", "budget", "overwrite",
+                                   "builtin")}}
     finally:
         dist.destroy_process_group()
     with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:

@@ -179,6 +179,39 @@ def test_no_sync_steps_trains_as_one_process_on_the_global_windows(ranks):
             float(sum(map(len, w))) for w in windows]
 
 
+def test_sharded_sums_train_as_one_process_with_half_of_the_sums_each(ranks):
+    # sums="sharded": each rank holds half of the MLP's sums (flattened, float32),
+    # receives its half of both ranks' gradients per micro-batch (one
+    # reduce-scatter) and gathers them when a window closes (one all-gather, and
+    # one all-reduce of the window's weight and received counts); saved and loaded
+    # in the middle of a window, it goes on as one process on the global windows.
+    windows = _windows(_by_steps())
+    result = _equal_ranks(ranks, "sharded")
+    _matches_reference(result, windows)
+    parameters = sum(int(np.prod(np.shape(w))) for w in mlp(0).get_weights())
+    for r in ranks:
+        run = r["sharded"]
+        assert run["shard_size"] == -(-parameters // 2)
+        assert run["ddp_all_reduces"] == 0
+        assert run["reduce_scatters"] == EPOCHS * MICRO_BATCHES
+        assert run["all_gathers"] == run["gradaccum_all_reduces"] == run["updates"] == 6
+        assert run["per_update_reduce_scatters"] == [3, 6, 8, 11, 14, 16]
+
+
+def test_sharded_sums_on_one_process_and_a_value_that_is_none():
+    marked = keras.Variable(0.0, name="marked")
+    marked.overwrite_with_gradient = True
+    # One process: nothing to shard (not even a float8 variable, refused across
+    # processes, whose maximum needs whole values).
+    acc = gradaccum.GradientAccumulator([marked], steps=2, sums="sharded")
+    assert acc.sums == "sharded"
+    with pytest.raises(ValueError) as info:
+        gradaccum.GradientAccumulator([marked], steps=2, sums="shards")
+    assert str(info.value) == (
+        "`sums` must be one of 'local', 'sharded'. Received: sums='shards'"
+    )
+
+
 def test_an_overwrite_variable_takes_the_maximum_over_the_ranks(ranks):
     # float8's rule across processes: the last window of the last pass holds
     # micro-batches 6 and 7, rank 1 handing 16 and 17: the maximum, on both ranks

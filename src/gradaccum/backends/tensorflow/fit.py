@@ -258,6 +258,7 @@ class Accumulation(adapter.Accumulation):
             return
         host = self.host
         layers = self.layers
+        check_sums(self.options.sums, host.distribute_strategy)
         if self.options.split:
             check_split_synchronization(
                 host.distribute_strategy, kc.flatten_layers(layers),
@@ -372,3 +373,18 @@ class Accumulation(adapter.Accumulation):
                     float(np.asarray(pending.get("largest_window", 0.0))))
         return int(state.accumulator.updates.numpy()), float(state.largest_window.numpy())
 
+
+def check_sums(sums: str, strategy) -> None:
+    """`sums` other than "local" under a tf.distribute strategy of several replicas:
+    refused with the way out (each replica keeps whole sums, added once per update;
+    sharding them is JAX's keras.distribution's and PyTorch DDP's)."""
+    replicas = strategy.num_replicas_in_sync
+    if sums == "local" or replicas < 2:
+        return
+    raise ValueError(
+        f'`sums` must be "local" under tf.distribute: each replica keeps whole sums of '
+        f"its own micro-batches, added once per update. Received: sums={sums!r} under "
+        f"{type(strategy).__name__} with {replicas} replicas. Pass sums=\"local\"; "
+        'sums="sharded" runs on JAX under keras.distribution and on PyTorch under '
+        "DistributedDataParallel (GradientAccumulator)."
+    )

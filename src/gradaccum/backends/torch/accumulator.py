@@ -17,9 +17,10 @@ import keras
 import torch
 
 from gradaccum import _keras_common as kc
-from gradaccum.backends.torch.distributed import Reducer, default_group
+from gradaccum.backends.torch.distributed import Reducer, ShardedSums, default_group
 from gradaccum.backends.torch.record import Runner, WindowRecord, tensor, truth
 from gradaccum.backends.torch.state import TorchState
+from gradaccum.core import overwrite
 from gradaccum.core import transitions as tr
 from gradaccum.core.accumulator import StatefulAccumulator
 from gradaccum.core.combine import REDUCTIONS, combine
@@ -87,6 +88,15 @@ class GradientAccumulator(StatefulAccumulator):
             `"auto"` (default) is the default group where torch.distributed is
             initialized with several processes; None keeps each process's window
             its own.
+        sums: where the sums sit across the group's W processes: `"local"`
+            (default): each process keeps whole sums of its own micro-batches,
+            summed over the processes once per update (one all-reduce).
+            `"sharded"`: each process keeps 1/W of them (float32: 4 bytes per
+            parameter over W), every micro-batch's gradients reduce-scattered into
+            them (one `reduce_scatter` per micro-batch, every process taking part)
+            and gathered when the window closes (one all-gather). `state_dict` then
+            holds this process's shard (`accumulator_shard`), restored by a job of
+            as many processes. One process: the two are the same.
         name: the name scope of the state's variables.
 
     Raises:
@@ -117,17 +127,32 @@ class GradientAccumulator(StatefulAccumulator):
     def __init__(self, variables: Sequence[Any], *, steps: Steps | None = None,
                  weight_per_update: Real | None = None, reduction: str = "mean",
                  accumulator_dtype: DType = "float32", nonfinite: Nonfinite = "skip",
-                 process_group: Any = "auto", name: str = "gradient_accumulator") -> None:
+                 process_group: Any = "auto", sums: str = "local",
+                 name: str = "gradient_accumulator") -> None:
         variables = check_variables(variables)
+        self.sums = check_choice("sums", sums, ("local", "sharded"))
         self._rule = WindowRule(steps, weight_per_update, Runner())
         self.reduction = check_choice("reduction", reduction, REDUCTIONS)
         self.accumulator_dtype = accumulator_dtype_name(accumulator_dtype)
         self.nonfinite = check_nonfinite(nonfinite)
         self.policy = Policy(self._rule, self.reduction, self.nonfinite)
         self.target_variables = tuple(variables)
-        self.state = TorchState(variables, self.accumulator_dtype, fit=False, name=name)
         group = default_group(process_group)
         self._reducer = Reducer(group) if group is not None else None
+        # sums="sharded" over several processes: this process keeps 1/W of the sums.
+        self._sharded = None
+        if sums == "sharded" and self._reducer is not None:
+            if any(overwrite.kinds(variables)[0]):
+                raise ValueError(
+                    '`sums="sharded"` needs every variable\'s gradient summed; a '
+                    "variable marked `overwrite_with_gradient` (float8) keeps the "
+                    'processes\' maximum instead. Received: sums="sharded"; pass '
+                    'sums="local".'
+                )
+            self._sharded = ShardedSums(self._reducer, [tuple(v.shape) for v in variables])
+        self.state = TorchState(
+            variables, self.accumulator_dtype, fit=False, name=name,
+            shard_size=None if self._sharded is None else self._sharded.shard_size)
         self._warned_skip = False
         self._scaling = None
 
@@ -138,6 +163,17 @@ class GradientAccumulator(StatefulAccumulator):
         """All-reduces this accumulator made under torch.distributed (one per
         update; with a weight budget, one more per micro-batch)."""
         return 0 if self._reducer is None else self._reducer.all_reduces
+
+    @property
+    def reduce_scatters(self) -> int:
+        """Reduce-scatters made with `sums="sharded"` (one per micro-batch)."""
+        return 0 if self._reducer is None else self._reducer.reduce_scatters
+
+    @property
+    def all_gathers(self) -> int:
+        """All-gathers made with `sums="sharded"` (one per update, and one per
+        `gradients()` call)."""
+        return 0 if self._reducer is None else self._reducer.all_gathers
 
     @property
     def accumulators(self) -> list:
@@ -208,7 +244,7 @@ class GradientAccumulator(StatefulAccumulator):
     def _record(self, optimizer: Any = None, scaling: Any = None) -> WindowRecord:
         return WindowRecord(self.state, 0, optimizer, self.target_variables,
                             range(len(self.target_variables)), reduce=self._reducer,
-                            scaling=scaling)
+                            scaling=scaling, sharded=self._sharded)
 
     def accumulate(
         self,

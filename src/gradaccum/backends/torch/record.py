@@ -153,7 +153,7 @@ class WindowRecord(FieldRecord):
     """
 
     def __init__(self, state, index, optimizer, variables, slots, noise=None, reduce=None,
-                 scaling=None):
+                 scaling=None, sharded=None):
         super().__init__(state, window_prefix(index))
         self.optimizer = optimizer
         # The LossScaleOptimizer whose scale the gradients carry (the applying one
@@ -165,6 +165,8 @@ class WindowRecord(FieldRecord):
         self.overwrites, self.measured = overwrite.kinds(self.targets)
         self.noise = noise
         self.reduce = reduce
+        # `sums="sharded"`: the sums as this process's shard (`ShardedSums`).
+        self.sharded = sharded
         self.outcome = None
         self._global = None
         # Where the per-variable fields (`received`) hold this record's variables:
@@ -182,12 +184,22 @@ class WindowRecord(FieldRecord):
     def sums(self) -> list:
         if self._global is not None:
             return self._global[0]
+        if self.sharded is not None:
+            # The shards gathered: every process must ask together.
+            return self.sharded.gather(self.state.accumulators[0].value)
         return self._sums()
 
     def dtypes(self) -> list:
         return [v.dtype for v in self.targets]
 
     def add_sums(self, gradients, factor, accept) -> None:
+        if self.sharded is not None:
+            # Every process takes part in the reduce-scatter, accepted or not.
+            with torch.no_grad():
+                self.sharded.add(self.state.accumulators[0].value, gradients,
+                                 None if factor is None else float(tensor(factor)),
+                                 truth(accept))
+            return
         if not truth(accept):
             return
         with torch.no_grad():
@@ -208,7 +220,8 @@ class WindowRecord(FieldRecord):
 
     def empty_sums(self) -> None:
         with torch.no_grad():
-            for total in self._sums():
+            for total in (self._sums() if self.sharded is None
+                          else [self.state.accumulators[0].value]):
                 total.zero_()
 
     def window_weight(self):
@@ -242,7 +255,14 @@ class WindowRecord(FieldRecord):
     def close(self, apply, close, update, finish, empty_sums=True):
         if not truth(close):
             return torch.tensor(False)
-        if self.reduce is not None:
+        if self.sharded is not None:
+            # The processes' sums already, in shards: gathered (one all-gather),
+            # and the window's weight and received counts summed (one all-reduce).
+            sums = self.sharded.gather(self.state.accumulators[0].value)
+            fields = self.reduce.fields({name: super(WindowRecord, self).get(name)
+                                         for name in ("total_weight", "received")})
+            self._global = (sums, fields)
+        elif self.reduce is not None:
             # One all-reduce: the window's sums, weight and received counts of every
             # process; while the window closes they are the global window's.
             sums, fields = self.reduce.window(

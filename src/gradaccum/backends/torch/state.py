@@ -15,6 +15,9 @@ import numpy as np
 
 from gradaccum.core.state import FIT, WINDOW, accumulator_name
 
+# The name of a process's shard of the sums under `sums="sharded"`.
+SHARD = "accumulator_shard"
+
 
 def window_prefix(index: int) -> str:
     """The prefix of window record `index`'s field names ("" for the first)."""
@@ -53,15 +56,21 @@ class TorchState:
     """
 
     def __init__(self, variables, accumulator_dtype="float32", *, records=1, terms=0,
-                 private=False, statistics=(), fit=True, name="gradaccum"):
+                 private=False, statistics=(), fit=True, name="gradaccum",
+                 shard_size=None):
         self.records = records
         weight_dtype = "float64" if accumulator_dtype == "float64" else "float32"
         self.weight_dtype = weight_dtype
         named = {}
         with keras.name_scope(name):
-            for i, v in enumerate(variables):
-                named[accumulator_name(i)] = _variable(
-                    np.zeros(tuple(v.shape), accumulator_dtype), accumulator_name(i))
+            if shard_size is not None:
+                # `sums="sharded"`: this process's shard of all the sums, flattened
+                # (`distributed.ShardedSums`).
+                named[SHARD] = _variable(np.zeros([shard_size], accumulator_dtype), SHARD)
+            else:
+                for i, v in enumerate(variables):
+                    named[accumulator_name(i)] = _variable(
+                        np.zeros(tuple(v.shape), accumulator_dtype), accumulator_name(i))
             for j in range(records):
                 prefix = window_prefix(j)
                 for field in WINDOW:
@@ -76,7 +85,8 @@ class TorchState:
                 for stat, channels in statistics:
                     named[stat] = _variable(np.zeros([channels], "float32"), stat)
         self.variables = named
-        self.accumulators = [named[accumulator_name(i)] for i in range(len(variables))]
+        self.accumulators = ([named[SHARD]] if shard_size is not None else
+                             [named[accumulator_name(i)] for i in range(len(variables))])
 
     def named(self) -> dict:
         """Every variable under its stable name."""
