@@ -1,15 +1,30 @@
-"""What crosses devices per update under keras.distribution.DataParallel on JAX.
+"""What crosses devices per update, and what each device holds, under
+keras.distribution.DataParallel on JAX, for N = 1, 2, 4, 8 virtual CPU devices.
 
-    python benchmarks/jax_distribution.py [--devices 4] [--k 4] [--b 32]
+    python benchmarks/jax_distribution.py [--devices 1 2 4 8] [--k 4] [--b 32]
 
-Compiles the train step Keras runs (the model's `train_step`, jitted with the state
-donated) for plain Keras at batch k x b, gradaccum with `steps=k` at batch b (one
-micro-batch per call, k calls per update) and gradaccum's split mode at batch k x b
-with `micro_batch_size=b` (one call per update), on N virtual CPU devices, and reads
-XLA's optimized HLO: every all-reduce, the bytes it reduces, and where it runs (in
-every call, inside the split step's loop over micro-batches, or inside the branch that
-applies an update). The bytes per update follow from how often each part runs. The
-model is the MLP of benchmarks/jax_builtin.py (784-512-512-10, Adam). Nothing is timed.
+For each N (a child process each: JAX fixes its devices when it starts) it compiles
+the train step Keras runs (jitted with the state's shardings, as Keras's trainer
+does) for plain Keras at batch k x b, and for gradaccum with `steps=k` at batch b and
+split mode (`micro_batch_size=b`) at batch k x b, each with `sums="reduced"` (every
+micro-batch's gradient all-reduced), `"local"` (each device's own sums, added once
+per update) and `"sharded"` (1/N of the sums on each device). From XLA's optimized
+HLO (`benchmarks/hlo.py`) it reads every collective and where it runs (every call,
+split mode's loop, the update's branch) and gives per update:
+
+- the collectives of more than 64 bytes (a gradient's), by kind; the scalar ones
+  (normalizers, weights, flags) are counted apart;
+- the bytes each device sends for them, as a ring algorithm sends them: 2(N-1)/N of
+  an all-reduce's size, (N-1) times a reduce-scatter's result (its shard), (N-1)/N
+  of an all-gather's result;
+- the bytes device 0 holds for the sums between micro-batches (steps mode's state;
+  split mode's sums live inside the step and are laid out the same way);
+- the largest gap of the weights from one device after two updates (k micro-batches
+  of b, Adam).
+
+The model is the MLP of benchmarks/jax_builtin.py (784-512-512-10, Adam; its
+gradient is 2.55 MiB in float32). Nothing is timed: CPU "devices" share one
+memory, so their collectives are memory copies.
 """
 
 from __future__ import annotations
@@ -17,185 +32,142 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
+import subprocess
+import sys
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--devices", type=int, default=4)
+parser.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4, 8])
 parser.add_argument("--k", type=int, default=4, help="micro-batches per update")
 parser.add_argument("--b", type=int, default=32, help="micro-batch size")
-parser.add_argument("--json", default=None, help="also write the results here")
+parser.add_argument("--json", default=None, help="also write the rows here")
+parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
 args = parser.parse_args()
-os.environ["KERAS_BACKEND"] = "jax"
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
-)
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-import jax  # noqa: E402
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-
-import gradaccum  # noqa: E402
-from gradaccum.attach import accumulation_of  # noqa: E402
-
-BYTES = {"f32": 4, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "pred": 1, "f64": 8, "s64": 8}
-SHAPE = re.compile(r"(f32|f16|bf16|s32|u32|pred|f64|s64)\[([0-9,]*)\]")
+SCALAR = 64  # bytes: collectives at most this size are scalars (weights, flags)
 
 
-def make(options):
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((784,)),
-        keras.layers.Dense(512, activation="relu"),
-        keras.layers.Dense(512, activation="relu"),
-        keras.layers.Dense(10),
-    ])
-    if options is not None:
-        model = gradaccum.accumulate(model, **options)
-    model.compile(keras.optimizers.Adam(1e-3),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model
+def child(devices: int, k: int, b: int) -> list:
+    """The rows for N = `devices` (run in a process with that many devices)."""
+    import jax
+    import keras
+    import numpy as np
 
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from hlo import collectives
 
-def hlo_of(model, batch):
+    import gradaccum
+    from gradaccum.attach import accumulation_of
+
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(batch, 784)).astype("float32")
-    y = rng.integers(0, 10, size=(batch,)).astype("int32")
-    model.fit(x, y, batch_size=batch, epochs=1, verbose=0)  # builds the state
-    if accumulation_of(model) is not None:
-        accumulation_of(model).ensure_state()
-    state = (
-        [v.value for v in model.trainable_variables],
-        [v.value for v in model.non_trainable_variables],
-        [v.value for v in model.optimizer.variables],
-        [v.value for v in model.metrics_variables],
-    )
-    distribution = keras.distribution.distribution()
-    data = tuple(
-        jax.device_put(t, distribution.get_data_layout(t.shape).backend_layout)
-        for t in (x, y)
-    )
-    compiled = jax.jit(model.train_step, donate_argnums=0).lower(state, data).compile()
-    return compiled.as_text()
+    x = rng.normal(size=(2 * k * b, 784)).astype("float32")
+    y = rng.integers(0, 10, size=(2 * k * b,)).astype("int32")
 
+    def make(options):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([
+            keras.Input((784,)),
+            keras.layers.Dense(512, activation="relu"),
+            keras.layers.Dense(512, activation="relu"),
+            keras.layers.Dense(10),
+        ])
+        if options is not None:
+            model = gradaccum.accumulate(model, **options)
+        model.compile(keras.optimizers.Adam(1e-3),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
 
-def computations(text):
-    """Each HLO computation's name and its lines."""
-    blocks, name = {}, None
-    for line in text.splitlines():
-        header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
-        if header:
-            name = header.group(1)
-            blocks[name] = []
-        elif name is not None:
-            blocks[name].append(line)
-    return blocks
+    def trained(options, batch, distributed):
+        keras.distribution.set_distribution(
+            keras.distribution.DataParallel(devices=jax.devices()[:devices])
+            if distributed else None)
+        model = make(options)
+        model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+        return model
 
+    def analysed(model, batch):
+        state = tuple([v.value for v in variables] for variables in (
+            model.trainable_variables, model.non_trainable_variables,
+            model.optimizer.variables, model.metrics_variables))
+        distribution = keras.distribution.distribution()
+        data = tuple(jax.device_put(t[:batch], distribution.get_data_layout(
+            t[:batch].shape).backend_layout) for t in (x, y))
+        shardings = jax.tree_util.tree_map(lambda a: a.sharding, state)
+        text = jax.jit(model.train_step, out_shardings=(None, shardings)).lower(
+            state, data).compile().as_text()
+        return collectives(text)
 
-def all_reduces(text):
-    """(computation, bytes) of each all-reduce in the optimized HLO."""
-    found = []
-    for name, lines in computations(text).items():
-        for line in lines:
-            if " all-reduce(" not in line and " all-reduce-start(" not in line:
-                continue
-            result = line.split("=", 1)[1].split("all-reduce", 1)[0]
-            size = 0
-            for dtype, dims in SHAPE.findall(result):
-                count = 1
-                for d in filter(None, dims.split(",")):
-                    count *= int(d)
-                size += count * BYTES[dtype]
-            found.append((name, size))
-    return found
+    def held(model) -> int:
+        accumulation = accumulation_of(model)
+        if accumulation is None or accumulation.options.split:
+            return 0
+        device = jax.devices()[0]
+        return sum(shard.data.nbytes for acc in accumulation.state.accumulators
+                   for shard in acc.value.addressable_shards if shard.device == device)
 
-
-REFERENCE = re.compile(
-    r"(calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)"
-)
-BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-
-
-def where(name, text):
-    """Where computation `name` runs: inside the split step's loop over micro-batches
-    ("loop"), inside a conditional's branch (the update: "update"), or in every call."""
-    graph, loops, branches = {}, set(), set()
-    for computation, lines in computations(text).items():
-        called = set()
-        for line in lines:
-            for kind, callee in REFERENCE.findall(line):
-                called.add(callee)
-                if kind == "body":
-                    loops.add(callee)
-                elif kind in ("true_computation", "false_computation"):
-                    branches.add(callee)
-            for group in BRANCHES.findall(line):
-                for callee in group.split(","):
-                    callee = callee.strip().lstrip("%")
-                    called.add(callee)
-                    branches.add(callee)
-        graph[computation] = called
-
-    def inside(roots):
-        seen, todo = set(), list(roots)
-        while todo:
-            current = todo.pop()
-            if current == name:
-                return True
-            if current not in seen:
-                seen.add(current)
-                todo.extend(graph.get(current, ()))
-        return False
-
-    if inside(loops):
-        return "loop"
-    if inside(branches):
-        return "update"
-    return "call"
+    gradient = None
+    rows = []
+    runs = [(f"plain Keras, batch {k * b}", None, k * b, 1, 0)]
+    for sums in ("reduced", "local", "sharded"):
+        runs.append((f"steps={k}, sums={sums!r}", {"steps": k, "sums": sums}, b, k, 0))
+    for sums in ("reduced", "local", "sharded"):
+        runs.append((f"micro_batch_size={b}, sums={sums!r}",
+                     {"micro_batch_size": b, "sums": sums}, k * b, 1, k))
+    for label, options, batch, calls, loops in runs:
+        reference = trained(options, batch, distributed=False)
+        model = trained(options, batch, distributed=True)
+        if gradient is None:
+            gradient = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
+        gap = max(float(np.max(np.abs(a - c)))
+                  for a, c in zip(model.get_weights(), reference.get_weights()))
+        counts = {"all-reduce": 0, "reduce-scatter": 0, "all-gather": 0, "scalar": 0}
+        sent = 0.0
+        if devices > 1:
+            for found in analysed(model, batch):
+                times = {"call": calls, "loop": loops, "update": 1}[found.place]
+                if found.bytes <= SCALAR:
+                    counts["scalar"] += times
+                    continue
+                counts[found.kind] = counts.get(found.kind, 0) + times
+                n = devices
+                share = {"all-reduce": 2 * (n - 1) / n * found.bytes,
+                         "reduce-scatter": (n - 1) * found.bytes,
+                         "all-gather": (n - 1) / n * found.bytes}.get(found.kind, 0.0)
+                sent += share * times
+        rows.append({"devices": devices, "run": label, "per_update": counts,
+                     "sent_bytes": sent, "held_bytes": held(model),
+                     "gradient_bytes": gradient, "gap": gap})
+        keras.distribution.set_distribution(None)
+    return rows
 
 
 def main():
-    k, b, devices = args.k, args.b, args.devices
-    keras.distribution.set_distribution(
-        keras.distribution.DataParallel(devices=jax.devices()[:devices])
-    )
-    gradients = None
+    if args.child is not None:
+        print(json.dumps(child(args.child, args.k, args.b)))
+        return
     rows = []
-    for label, options, batch, calls, loops in [
-        (f"plain Keras, batch {k * b}", None, k * b, 1, 0),
-        (f"gradaccum steps={k}, batch {b}", {"steps": k}, b, k, 0),
-        (f"gradaccum micro_batch_size={b}, batch {k * b}", {"micro_batch_size": b},
-         k * b, 1, k),
-    ]:
-        model = make(options)
-        if gradients is None:
-            gradients = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
-        text = hlo_of(model, batch)
-        per_place = {"call": 0, "loop": 0, "update": 0}
-        counts = {"call": 0, "loop": 0, "update": 0}
-        for name, size in all_reduces(text):
-            place = where(name, text)
-            per_place[place] += size
-            counts[place] += 1
-        # Per update: every call's all-reduces `calls` times; the split loop's once per
-        # micro-batch (k) in its one call; the update's once.
-        per_update = (per_place["call"] * calls + per_place["loop"] * loops
-                      + per_place["update"])
-        rows.append({
-            "run": label, "all_reduces": counts, "bytes": per_place,
-            "bytes_per_update": per_update, "gradient_bytes": gradients,
-            "per_update_over_gradient": per_update / gradients,
-        })
-    keras.distribution.set_distribution(None)
-    print(f"DataParallel on {devices} virtual CPU devices, k={k}, b={b}; "
-          f"gradient size {gradients / 2**20:.2f} MiB (float32)")
-    print("| run | all-reduces (every call / split loop / update branch) | "
-          "MiB per update | / gradient size |")
-    print("| --- | --- | ---: | ---: |")
+    for devices in args.devices:
+        env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3",
+                   XLA_FLAGS=(os.environ.get("XLA_FLAGS", "")
+                              + f" --xla_force_host_platform_device_count={devices}"))
+        done = subprocess.run(
+            [sys.executable, __file__, "--child", str(devices), "--k", str(args.k),
+             "--b", str(args.b)], capture_output=True, text=True, env=env, check=False)
+        if done.returncode:
+            sys.exit(done.stderr[-3000:])
+        rows += json.loads(done.stdout.strip().splitlines()[-1])
+    mib = 2 ** 20
+    print(f"DataParallel, k={args.k}, b={args.b}; gradient "
+          f"{rows[0]['gradient_bytes'] / mib:.2f} MiB (float32)")
+    print("| N | run | all-reduce / reduce-scatter / all-gather per update (scalar) "
+          "| MiB sent per device per update | MiB device 0 holds for the sums "
+          "| gap from one device |")
+    print("| ---: | --- | --- | ---: | ---: | ---: |")
     for row in rows:
-        c = row["all_reduces"]
-        print(f"| {row['run']} | {c['call']} / {c['loop']} / {c['update']} | "
-              f"{row['bytes_per_update'] / 2**20:.2f} | {row['per_update_over_gradient']:.2f} |")
+        c = row["per_update"]
+        held = f"{row['held_bytes'] / mib:.2f}" if row["held_bytes"] else "-"
+        print(f"| {row['devices']} | {row['run']} | {c['all-reduce']} / "
+              f"{c['reduce-scatter']} / {c['all-gather']} ({c['scalar']}) | "
+              f"{row['sent_bytes'] / mib:.2f} | {held} | {row['gap']:.1e} |")
     if args.json:
         with open(args.json, "w") as out:
             json.dump(rows, out, indent=1)

@@ -39,7 +39,7 @@ def _run(*args) -> list:
     port = str(_free_port())
     env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3",
                PYTHONPATH=os.pathsep.join([str(CONTRACT), *sys.path]))
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
     jobs = [subprocess.Popen([sys.executable, str(JOB), str(p), port, *map(str, args)],
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True)
@@ -90,10 +90,13 @@ def _close(a, b, rtol=1e-5, atol=1e-6):
         np.testing.assert_allclose(np.asarray(p), np.asarray(q), rtol=rtol, atol=atol)
 
 
-def test_two_processes_train_as_one_on_the_global_windows(results):
-    assert [r["devices"] for r in results] == [2, 2]
+@pytest.mark.parametrize("mode", ["steps", "sharded"])
+def test_two_processes_train_as_one_on_the_global_windows(results, mode):
+    # 2 processes of 4 devices: the batch sharded over 8. "steps": each device
+    # keeps its own sums; "sharded": 1/8 of them.
+    assert [r["devices"] for r in results] == [8, 8]
     assert [r["processes"] for r in results] == [2, 2]
-    first, second = (r["steps"] for r in results)
+    first, second = (r[mode] for r in results)
     # 6 global batches per epoch in windows of 3: 2 updates an epoch.
     assert first["updates"] == second["updates"] == [2.0, 4.0]
     _close(first["weights"], second["weights"], rtol=0, atol=0)
@@ -102,6 +105,17 @@ def test_two_processes_train_as_one_on_the_global_windows(results):
                 for a, b in zip(first["weights"], mlp(0).get_weights()))
     assert moved > 1e-2
     _close(first["weights"], reference)
+
+
+def test_sharded_sums_hold_an_eighth_on_each_device(results):
+    # The MLP's kernels split over the 8 devices; a bias no 8 divides keeps a row
+    # per device (its whole size on each).
+    for r in results:
+        held = r["sharded_held"]
+        model = mlp(0)
+        expected = sum(int(np.prod(w.shape)) // 8 if any(d % 8 == 0 for d in w.shape)
+                       else int(np.prod(w.shape)) for w in model.get_weights())
+        assert held["held"] == expected < held["parameters"] / 2
 
 
 def test_privacy_draws_the_same_noise_in_both_processes(results):
@@ -121,11 +135,14 @@ def test_a_process_killed_mid_window_and_both_resumed_end_exactly(job, folder):
     # 5 global batches with windows of 3 carried: one update, 2 micro-batches open
     # when the processes are killed; the new processes finish the epoch's 6th batch.
     assert [lines[-1]["iterations"] for lines in job] == [1, 1]
-    resumed = [lines[-1] for lines in _run("resume", folder)]
-    assert [r["iterations"] for r in resumed] == [2, 2]
-    _close(resumed[0]["weights"], resumed[1]["weights"], rtol=0, atol=0)
+    both = [lines[-1] for lines in _run("resume", folder)]
     x, y = data(48)
     reference = gradaccum.accumulate(mlp(0), steps=3, partial="carry")
     reference.compile(keras.optimizers.Adam(0.05), SCE, steps_per_execution=1)
     reference.fit(x, y, batch_size=8, shuffle=False, verbose=0)
-    _close(resumed[0]["weights"], reference.get_weights())
+    # Each device's own sums, and sharded ones, saved with the window open.
+    for sums in ("local", "sharded"):
+        resumed = [r[sums] for r in both]
+        assert [r["iterations"] for r in resumed] == [2, 2]
+        _close(resumed[0]["weights"], resumed[1]["weights"], rtol=0, atol=0)
+        _close(resumed[0]["weights"], reference.get_weights())

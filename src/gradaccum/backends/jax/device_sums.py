@@ -33,6 +33,7 @@ with the same warning.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 
@@ -233,30 +234,52 @@ def warn(described: str, why: str) -> None:
     )
 
 
-class RowView:
-    """An accumulator kept in rows, read and written as one sum (its rows added; a
-    value assigned goes to row 0): what saving, restoring and the audit see, the
-    variable's shape, whatever the number of devices."""
+class SumView:
+    """An accumulator kept per device, read and written as one whole sum, replicated
+    (its rows added, or its shards gathered; a value assigned goes to row 0, or is
+    laid out in shards): what saving, restoring and the audit see, the variable's
+    shape, whatever the number of devices or processes.
 
-    def __init__(self, variable):
+    Args:
+        variable: the accumulator.
+        rows: whether it holds rows (else shards).
+        mesh: the JAX mesh.
+    """
+
+    def __init__(self, variable, rows: bool, mesh):
         self.variable = variable
-        self.shape = tuple(variable.shape[1:])
+        self.rows = rows
+        self.shape = tuple(variable.shape[1:] if rows else variable.shape)
         self.dtype = variable.dtype
         self.name = variable.name
         self.path = variable.path
+        self.mesh = mesh
 
     @property
     def value(self):
-        return jnp.sum(self.variable.value, axis=0)
+        # (Every process computes it, as every process saves: under several
+        # processes the sum spans devices no process addresses alone.)
+        return _whole(self.rows, self.mesh)(self.variable.value)
 
     def numpy(self) -> np.ndarray:
         return np.asarray(self.value)
 
     def assign(self, value) -> None:
-        rows = np.zeros(tuple(self.variable.shape), keras.backend.standardize_dtype(
-            self.variable.dtype))
-        rows[0] = np.asarray(value)
-        self.variable.assign(rows)
+        value = np.asarray(value)
+        if self.rows:
+            rows = np.zeros(tuple(self.variable.shape), value.dtype)
+            rows[0] = value
+            value = rows
+        self.variable.assign(value)
+
+
+@functools.cache
+def _whole(rows: bool, mesh):
+    """The jitted read of a `SumView`: rows added, or shards gathered, replicated
+    on `mesh`."""
+    return jax.jit(
+        (lambda value: jnp.sum(value, axis=0)) if rows else (lambda value: value),
+        out_shardings=jax.sharding.NamedSharding(mesh, PartitionSpec()))
 
 
 def seed_slots(model) -> list[int]:

@@ -104,13 +104,13 @@ class Packed:
     def named(self) -> dict:
         """Every accumulator and field under its stable name (`accumulator_<i>` and
         the fields: the names checkpoints keep), each field as a `Field` view, and
-        sums kept in rows per device as one sum (`device_sums.RowView`; sharded sums
-        are one already)."""
+        sums kept per device as one whole sum (`device_sums.SumView`)."""
         named = {accumulator_name(i): v for i, v in enumerate(self.accumulators)}
         if getattr(self, "rows", None) is not None and not self.split:
-            from gradaccum.backends.jax.device_sums import RowView
+            from gradaccum.backends.jax.device_sums import SumView
 
-            named = {name: v if self.rows.dims[i] is not None else RowView(v)
+            rows = self.rows
+            named = {name: SumView(v, rows.dims[i] is None, rows.mesh)
                      for i, (name, v) in enumerate(named.items())}
         named.update({field: Field(self, field) for field in self.fields})
         return named
