@@ -264,6 +264,7 @@ VARIANTS = {
     # name: (model, options); each trained on one device and under DataParallel.
     "regularized": (regularized, {"steps": 3}),
     "activity": (active, {"steps": 3}),
+    "activity_sharded": (active, {"steps": 3, "sums": "sharded"}),
     "own_compute_loss": (own_loss, {"steps": 3}),
     "uniform": (mlp, {"steps": 3, "weighting": "uniform"}),
     "reduction_sum": (mlp, {"steps": 3, "reduction": "sum"}),

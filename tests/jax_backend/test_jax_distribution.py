@@ -204,6 +204,16 @@ def test_data_and_model_parallel_on_four_devices_equal_one_device(jobs):
         found = variants[name]
         assert found["gap"] < 1e-6 and found["loss_gap"] < 1e-5, (name, found)
         assert found["warnings"] == ([] if reason is None else [fallback.format(reason)])
+    # Found while tracing with sums="sharded": the sums stay sharded, the gradient
+    # is all-reduced per micro-batch.
+    found = variants["activity_sharded"]
+    assert found["gap"] < 1e-6 and found["loss_gap"] < 1e-5, found
+    assert found["warnings"] == [
+        "gradaccum all-reduces each micro-batch's gradient under DataParallel (4 "
+        f"devices on mesh axis 'batch'): {reasons['activity']}, so the devices cannot "
+        "reduce-scatter their own gradients. The sums stay sharded (1/N on each "
+        "device); an update costs one gradient all-reduce per micro-batch."
+    ]
     # Dropout: each device draws its own masks (as TensorFlow's replicas and DDP's
     # processes do), so it trains otherwise than one device, its seeds moving as
     # one device's; sums="reduced" draws one device's masks.

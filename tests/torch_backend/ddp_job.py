@@ -106,6 +106,7 @@ def train(mode: str, rank: int) -> dict:
     log = {"ddp_all_reduces": [], "gradaccum_all_reduces": [], "window_weight": [],
            "reduce_scatters": [], "all_gathers": []}
     shard_sizes = []
+    mid = {}
 
     def updated():
         log["ddp_all_reduces"].append(counter.all_reduces)
@@ -130,6 +131,12 @@ def train(mode: str, rank: int) -> dict:
                     grads.append(torch.tensor(10.0 * rank + i))
                 if bool(acc.step(optimizer, grads, weight=len(index))):
                     updated()
+                if mode in ("steps", "sharded") and i == 4 and not mid:
+                    # In the middle of the first pass's second window: the window's
+                    # gradient as `gradients()` gives it (this rank's window with
+                    # whole sums; both ranks' with sharded ones), and its weight.
+                    mid["gradients"] = to_list(acc.gradients())
+                    mid["total_weight"] = float(acc.total_weight.numpy())
                 if mode == "sharded" and i == 4 and not shard_sizes:
                     # In the middle of a window: the state saved and loaded into a
                     # new accumulator (as a resumed job would), which goes on.
@@ -168,6 +175,7 @@ def train(mode: str, rank: int) -> dict:
         "reduce_scatters": 0 if acc is None else acc.reduce_scatters,
         "all_gathers": 0 if acc is None else acc.all_gathers,
         "shard_size": shard_sizes[0] if shard_sizes else None,
+        "mid_window": mid,
         **{f"per_update_{k}": v for k, v in log.items()},
     }
 

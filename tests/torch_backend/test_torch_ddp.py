@@ -194,8 +194,19 @@ def test_sharded_sums_train_as_one_process_with_half_of_the_sums_each(ranks):
         assert run["shard_size"] == -(-parameters // 2)
         assert run["ddp_all_reduces"] == 0
         assert run["reduce_scatters"] == EPOCHS * MICRO_BATCHES
-        assert run["all_gathers"] == run["gradaccum_all_reduces"] == run["updates"] == 6
+        # (One more of each for the `gradients()` call in the middle of a window.)
+        assert run["updates"] == 6
+        assert run["all_gathers"] == run["gradaccum_all_reduces"] == 7
         assert run["per_update_reduce_scatters"] == [3, 6, 8, 11, 14, 16]
+    # In the middle of a window, `gradients()` of sharded sums is the ranks' window:
+    # the weighted mean of each rank's own window (what whole sums give each rank).
+    local = [r["steps"]["mid_window"] for r in ranks]
+    total = sum(window["total_weight"] for window in local)
+    expected = [sum(np.asarray(window["gradients"][j]) * window["total_weight"]
+                    for window in local) / total
+                for j in range(len(local[0]["gradients"]))]
+    for r in ranks:
+        _close(r["sharded"]["mid_window"]["gradients"], expected)
 
 
 def test_sharded_sums_on_one_process_and_a_value_that_is_none():

@@ -225,7 +225,18 @@ def _shard_dimension(variable, layout, count: int) -> int | None:
     return max(fits)[1] if fits else None
 
 
-def warn(described: str, why: str) -> None:
+def warn(described: str, why: str, sharded: bool = False) -> None:
+    """Says why each micro-batch's gradient is all-reduced (`sharded`: the sums
+    stay sharded, as they were laid out before the step was traced)."""
+    if sharded:
+        warnings.warn(
+            f"gradaccum all-reduces each micro-batch's gradient under {described}: "
+            f"{why}, so the devices cannot reduce-scatter their own gradients. The "
+            "sums stay sharded (1/N on each device); an update costs one gradient "
+            "all-reduce per micro-batch.",
+            stacklevel=3,
+        )
+        return
     warnings.warn(
         f"gradaccum all-reduces each micro-batch's gradient under {described}: "
         f"{why}, so its sums cannot be kept per device. An update then costs one "

@@ -219,7 +219,8 @@ class TrainStep:
             except device_sums.Unsupported as why:
                 # Reduced per micro-batch, as before, into the sums' first row.
                 self.rows_fallback = True
-                device_sums.warn(self.rows.described, str(why))
+                device_sums.warn(self.rows.described, str(why),
+                                 sharded=self.options.sums == "sharded")
 
         def objective(trainable, non_trainable, metrics_variables):
             self.normalizers.take()

@@ -172,7 +172,7 @@ class GradientAccumulator(StatefulAccumulator):
     @property
     def all_gathers(self) -> int:
         """All-gathers made with `sums="sharded"` (one per update, and one per
-        `gradients()` call)."""
+        `gradients()` call, which every process makes together)."""
         return 0 if self._reducer is None else self._reducer.all_gathers
 
     @property
@@ -355,11 +355,17 @@ class GradientAccumulator(StatefulAccumulator):
 
     def gradients(self) -> list:
         """The open window's combined gradient, without resetting (`None` for a
-        variable that received no gradient in the window)."""
+        variable that received no gradient in the window): this process's window,
+        or with `sums="sharded"` the processes' window (then every process must call
+        it: it gathers the shards)."""
         record = self._record()
-        combined = combine(record.sums(), record.get("total_weight"), self.reduction,
-                           record.dtypes())
-        received = record.get("received")
+        weight, received = record.get("total_weight"), record.get("received")
+        if self._sharded is not None:
+            # The shards gathered with the processes' weights and received counts
+            # (every process must call it: two collectives).
+            fields = self._reducer.fields({"total_weight": weight, "received": received})
+            weight, received = fields["total_weight"], fields["received"]
+        combined = combine(record.sums(), weight, self.reduction, record.dtypes())
         # Copies: under reduction "sum" the combination is the sums themselves,
         # which the next `accumulate` or `reset` changes in place.
         return [g.clone() if r > 0 else None for g, r in zip(combined, received)]

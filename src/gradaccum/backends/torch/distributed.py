@@ -150,7 +150,7 @@ class ShardedSums:
                 if gradient is not None:
                     part = torch.as_tensor(gradient).detach().reshape(-1).to(shard.dtype)
                     if factor is not None:
-                        part = part * factor
+                        part = part * factor.to(device=part.device, dtype=part.dtype)
                     flat[offset:offset + size] = part
                 offset += size
         received = torch.empty_like(shard)

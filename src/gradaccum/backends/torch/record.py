@@ -197,7 +197,7 @@ class WindowRecord(FieldRecord):
             # Every process takes part in the reduce-scatter, accepted or not.
             with torch.no_grad():
                 self.sharded.add(self.state.accumulators[0].value, gradients,
-                                 None if factor is None else float(tensor(factor)),
+                                 None if factor is None else tensor(factor),
                                  truth(accept))
             return
         if not truth(accept):
