@@ -307,6 +307,38 @@ def variants() -> dict:
     return found
 
 
+def hub_gap() -> dict:
+    """A tiny KerasHub `GPT2CausalLM` fine-tuned on strings (its preprocessor in
+    tf.data, padded sequences: each device's share holds its own number of tokens),
+    `steps=3` on batches of 4 under DataParallel on the 4 devices, against one
+    device; with each device's own sums and with sharded ones."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
+    import hub_models
+
+    found = {}
+    texts = hub_models.make_texts()
+    for sums in ("local", "sharded"):
+        trained = []
+        for distributed in (False, True):
+            keras.distribution.set_distribution(
+                keras.distribution.DataParallel() if distributed else None)
+            try:
+                task = hub_models.make_task(seed=0)
+                gradaccum.accumulate(task, steps=3, sums=sums)
+                hub_models.compile_task(task)
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    task.fit(texts, batch_size=4, shuffle=False, verbose=0)
+                said = [str(w.message) for w in caught if "gradaccum" in str(w.message)]
+                trained.append((task, said))
+            finally:
+                keras.distribution.set_distribution(None)
+        (reference, _), (task, said) = trained
+        found[sums] = {"gap": gap(task, reference), "warnings": said,
+                       "updates": int(task.optimizer.iterations.numpy())}
+    return found
+
+
 def sharded_refusal() -> str:
     """sums="sharded" for a model whose sums cannot be kept per device."""
     def make():
@@ -359,6 +391,7 @@ def main():
         results["indivisible"] = indivisible_micro_batch()
         results["variants"] = variants()
         results["sharded_refusal"] = sharded_refusal()
+        results["hub"] = hub_gap()
     print(json.dumps(results))
 
 

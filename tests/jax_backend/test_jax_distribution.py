@@ -229,6 +229,11 @@ def test_data_and_model_parallel_on_four_devices_equal_one_device(jobs):
         'over all the devices\' samples. Received: sums="sharded"; pass sums="local" '
         '(each device keeps whole sums) or sums="reduced".'
     )
+    # A KerasHub GPT2CausalLM fine-tuned on strings (padded: each device's share
+    # holds its own number of tokens), each device's own sums or sharded ones.
+    for sums, found in results["hub"].items():
+        assert found["updates"] == 2 and found["warnings"] == [], (sums, found)
+        assert found["gap"] < 1e-6, (sums, found)
     # A micro-batch size the devices cannot share equally.
     assert results["indivisible"] == (
         "`micro_batch_size` must be a multiple of the number of devices the batch is "
