@@ -3,32 +3,40 @@
 Under `DataParallel`, or on the batch axis of `ModelParallel`, each of the N devices
 of the batch axis holds a shard of every micro-batch. Left to XLA, the gradient of a
 micro-batch is all-reduced across them before it is added to the sums: k all-reduces
-per update. Here each device differentiates its own shard of the micro-batch
-(`jax.shard_map` over the batch axis, the model's other axes left to XLA) and adds the
-result to its own row of the sums, which have one row per device: shape
-`(N, *variable.shape)`, the rows sharded over the batch axis, so a device holds one
-row, the memory of one sum as before. Nothing crosses devices until the window closes,
-where the rows are added up inside the update's branch: one all-reduce per update.
+per update (`sums="reduced"` keeps that). Here each device differentiates its own
+shard of the micro-batch (`jax.shard_map` over the batch axis, the model's other axes
+left to XLA) and keeps what it gets (`accumulate`'s `sums` option):
 
-Why the rows add up to the one-device gradient: Keras's compiled loss divides the
-device's summed loss by its normalizer `n_d` (its samples, or their weights, or its
-unmasked tokens); the micro-batch's loss divides the whole sum by `n = sum(n_d)`. So
-device d differentiates its loss times `n_d / n` (reduction "mean"; as it is under
-reduction "sum", where the losses add), a scalar all-reduce of `n_d`. The shares add
-to 1, so regularization losses, the same on every device, count once.
+- `"local"` (the default): in its own row of the sums, which have one row per
+  device: shape `(N, *variable.shape)`, the rows sharded over the batch axis, so a
+  device holds one row, the memory of one sum as before. Nothing crosses devices
+  until the window closes, where the rows are added up inside the update's branch:
+  one all-reduce per update.
+- `"sharded"`: the devices' gradients reduce-scattered into sums of the variable's
+  shape sharded over the batch axis (on the largest dimension the variable's layout
+  leaves whole that N divides; a variable without one keeps rows), so a device holds
+  1/N of them; gathered inside the update's branch.
+
+Why the devices' gradients add up to the one-device gradient: Keras's compiled loss
+divides the device's summed loss by its normalizer `n_d` (its samples, or their
+weights, or its unmasked tokens); the micro-batch's loss divides the whole sum by
+`n = sum(n_d)`. So device d differentiates its loss times `n_d / n`, a scalar
+all-reduce of `n_d`. The shares add to 1, so the terms every device adds alike
+(weight regularizers) count once.
 
 Dropout and other random layers draw from each device's own seed (the seed state
-offset by the device's index), so the devices' masks are independent, as one device's
-would be across its samples.
+offset by the device's index), so the devices' masks are independent, as TensorFlow's
+replicas and DDP's processes draw theirs (not one device's masks: `sums="reduced"`).
 
 `plan` says, before the state is made, whether a model can keep its sums per device,
-and why not (said in a warning): a layout that shards a variable over the batch axis,
-a layer whose statistics span the batch (BatchNormalization), float8 layers, a
-`nonfinite` callable (which reads the whole gradient), privacy, a model's own
-`train_step`. What only tracing tells (a loss with several normalized terms, a
-variable the forward pass changes from the samples) falls back when the step is
-traced: the micro-batch's gradient is then reduced as before and added into row 0,
-with the same warning.
+and why not (a warning; an error under `sums="sharded"`): a layout that shards a
+variable over the batch axis, BatchNormalization (its statistics span the batch),
+a model's own `train_step` or `compute_loss`, weighting other than "exact",
+reduction "sum", float8 layers, a `nonfinite` callable (it reads the whole gradient),
+privacy. What only tracing tells (losses the forward pass computes from the samples,
+a loss with several normalized terms, a variable the step changes from the samples)
+falls back when the step is traced (`Unsupported`): the micro-batch's gradient is then
+reduced as before and added into row 0 (or into the shards), with a warning.
 """
 
 from __future__ import annotations
