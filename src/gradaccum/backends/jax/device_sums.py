@@ -78,7 +78,7 @@ class DeviceRows:
 
     count: int
     axes: tuple
-    mesh: object
+    mesh: jax.sharding.Mesh
     described: str
     dims: tuple
     specs: tuple

@@ -33,6 +33,10 @@ class Packed:
     accumulators: list
     counts: Any
     weights: Any
+    # The sums kept per device (`device_sums.DeviceRows`; None: whole, on each
+    # device alike) and whether the state keeps split mode's scalar sums.
+    rows: Any = None
+    split: bool = False
     # Set by `layout`: the fields in order, and each one's place.
     fields: tuple[str, ...]
     places: dict[str, tuple[str, int, tuple[int, ...], str]]
@@ -106,7 +110,7 @@ class Packed:
         the fields: the names checkpoints keep), each field as a `Field` view, and
         sums kept per device as one whole sum (`device_sums.SumView`)."""
         named = {accumulator_name(i): v for i, v in enumerate(self.accumulators)}
-        if getattr(self, "rows", None) is not None and not self.split:
+        if self.rows is not None and not self.split:
             from gradaccum.backends.jax.device_sums import SumView
 
             rows = self.rows

@@ -363,6 +363,7 @@ class GradientAccumulator(StatefulAccumulator):
         if self._sharded is not None:
             # The shards gathered with the processes' weights and received counts
             # (every process must call it: two collectives).
+            assert self._reducer is not None, "sharded sums have a group"
             fields = self._reducer.fields({"total_weight": weight, "received": received})
             weight, received = fields["total_weight"], fields["received"]
         combined = combine(record.sums(), weight, self.reduction, record.dtypes())
