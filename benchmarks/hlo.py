@@ -6,8 +6,10 @@
 
 `place` says how often a collective runs: "call" (in every call of the compiled
 function), "loop" (inside a `while`: once per iteration, split mode's micro-batches) or
-"update" (inside a conditional's branch: only when a window closes). Used by
-benchmarks/jax_distribution.py and tests/jax_backend/distribution_job.py.
+"update" (inside a conditional's branch: only when a window closes).
+`train_step_collectives(model, arrays)` compiles a Keras model's JAX train step as
+Keras's trainer does and reads them. Used by benchmarks/jax_distribution.py and
+tests/jax_backend/distribution_job.py.
 """
 
 from __future__ import annotations
@@ -106,3 +108,22 @@ def collectives(text: str) -> list[Collective]:
                     found.append(Collective(kind, name, _size(result), places[name]))
                     break
     return found
+
+
+def train_step_collectives(model, arrays) -> list[Collective]:
+    """The collectives of `model`'s train step on the batch `arrays` (x, y, ...:
+    NumPy arrays), compiled on JAX under the current keras.distribution as Keras's
+    trainer compiles it: the state jitted back into the shardings it came with."""
+    import jax
+    import keras
+
+    state = tuple([v.value for v in variables] for variables in (
+        model.trainable_variables, model.non_trainable_variables,
+        model.optimizer.variables, model.metrics_variables))
+    distribution = keras.distribution.distribution()
+    data = tuple(jax.device_put(t, distribution.get_data_layout(t.shape).backend_layout)
+                 for t in arrays)
+    shardings = jax.tree_util.tree_map(lambda a: a.sharding, state)
+    text = jax.jit(model.train_step, out_shardings=(None, shardings)).lower(
+        state, data).compile().as_text()
+    return collectives(text)

@@ -30,18 +30,25 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 CONTENDERS = ("builtin", "gradaccum")
 
 
-def make_model(contender: str, k: int):
+def mlp():
+    """The MLP both contenders train (784-512-512-10), seeded."""
     import keras
 
-    import gradaccum
-
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([
+    return keras.Sequential([
         keras.Input((784,)),
         keras.layers.Dense(512, activation="relu"),
         keras.layers.Dense(512, activation="relu"),
         keras.layers.Dense(10),
     ])
+
+
+def make_model(contender: str, k: int):
+    import keras
+
+    import gradaccum
+
+    model = mlp()
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     if contender == "builtin":
         model.compile(keras.optimizers.Adam(1e-3, gradient_accumulation_steps=k), loss,

@@ -53,23 +53,16 @@ def child(devices: int, k: int, b: int) -> list:
     import numpy as np
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from hlo import collectives
+    from hlo import train_step_collectives
+    from jax_builtin import data, mlp
 
     import gradaccum
     from gradaccum.attach import accumulation_of
 
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(2 * k * b, 784)).astype("float32")
-    y = rng.integers(0, 10, size=(2 * k * b,)).astype("int32")
+    x, y = data(2 * k * b)
 
     def make(options):
-        keras.utils.set_random_seed(0)
-        model = keras.Sequential([
-            keras.Input((784,)),
-            keras.layers.Dense(512, activation="relu"),
-            keras.layers.Dense(512, activation="relu"),
-            keras.layers.Dense(10),
-        ])
+        model = mlp()
         if options is not None:
             model = gradaccum.accumulate(model, **options)
         model.compile(keras.optimizers.Adam(1e-3),
@@ -83,18 +76,6 @@ def child(devices: int, k: int, b: int) -> list:
         model = make(options)
         model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
         return model
-
-    def analysed(model, batch):
-        state = tuple([v.value for v in variables] for variables in (
-            model.trainable_variables, model.non_trainable_variables,
-            model.optimizer.variables, model.metrics_variables))
-        distribution = keras.distribution.distribution()
-        data = tuple(jax.device_put(t[:batch], distribution.get_data_layout(
-            t[:batch].shape).backend_layout) for t in (x, y))
-        shardings = jax.tree_util.tree_map(lambda a: a.sharding, state)
-        text = jax.jit(model.train_step, out_shardings=(None, shardings)).lower(
-            state, data).compile().as_text()
-        return collectives(text)
 
     def held(model) -> int:
         accumulation = accumulation_of(model)
@@ -122,7 +103,7 @@ def child(devices: int, k: int, b: int) -> list:
         counts = {"all-reduce": 0, "reduce-scatter": 0, "all-gather": 0, "scalar": 0}
         sent = 0.0
         if devices > 1:
-            for found in analysed(model, batch):
+            for found in train_step_collectives(model, (x[:batch], y[:batch])):
                 times = {"call": calls, "loop": loops, "update": 1}[found.place]
                 if found.bytes <= SCALAR:
                     counts["scalar"] += times

@@ -29,7 +29,7 @@ import gradaccum
 from gradaccum.attach import accumulation_of
 
 sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "benchmarks"))
-from hlo import collectives  # noqa: E402
+from hlo import train_step_collectives  # noqa: E402
 
 SCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -123,17 +123,8 @@ def train(model_name, options, kind=None):
 def step_collectives(model, x, y, batch) -> list:
     """`(kind, bytes, place)` of each collective of the compiled train step on a
     batch (`benchmarks/hlo.py`: place "call", "loop" or "update")."""
-    state = tuple([v.value for v in variables] for variables in (
-        model.trainable_variables, model.non_trainable_variables,
-        model.optimizer.variables, model.metrics_variables))
-    distribution = keras.distribution.distribution()
-    data = tuple(jax.device_put(t[:batch], distribution.get_data_layout(
-        t[:batch].shape).backend_layout) for t in (x, y))
-    # As Keras's trainer compiles it: the state comes back laid out as it went in.
-    shardings = jax.tree_util.tree_map(lambda a: a.sharding, state)
-    text = jax.jit(model.train_step, out_shardings=(None, shardings)).lower(
-        state, data).compile().as_text()
-    return [(c.kind, c.bytes, c.place) for c in collectives(text)]
+    return [(c.kind, c.bytes, c.place)
+            for c in train_step_collectives(model, (x[:batch], y[:batch]))]
 
 
 def gap(a, b):

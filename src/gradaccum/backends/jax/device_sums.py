@@ -236,21 +236,13 @@ def _shard_dimension(variable, layout, count: int) -> int | None:
 def warn(described: str, why: str, sharded: bool = False) -> None:
     """Says why each micro-batch's gradient is all-reduced (`sharded`: the sums
     stay sharded, as they were laid out before the step was traced)."""
-    if sharded:
-        warnings.warn(
-            f"gradaccum all-reduces each micro-batch's gradient under {described}: "
-            f"{why}, so the devices cannot reduce-scatter their own gradients. The "
-            "sums stay sharded (1/N on each device); an update costs one gradient "
-            "all-reduce per micro-batch.",
-            stacklevel=3,
-        )
-        return
-    warnings.warn(
-        f"gradaccum all-reduces each micro-batch's gradient under {described}: "
-        f"{why}, so its sums cannot be kept per device. An update then costs one "
-        "gradient all-reduce per micro-batch, as Keras's own step does.",
-        stacklevel=3,
-    )
+    then = ("so the devices cannot reduce-scatter their own gradients. The sums stay "
+            "sharded (1/N on each device); an update costs one gradient all-reduce per "
+            "micro-batch." if sharded else
+            "so its sums cannot be kept per device. An update then costs one gradient "
+            "all-reduce per micro-batch, as Keras's own step does.")
+    warnings.warn(f"gradaccum all-reduces each micro-batch's gradient under "
+                  f"{described}: {why}, {then}", stacklevel=3)
 
 
 class SumView:

@@ -175,6 +175,7 @@ class WindowRecord(FitRecord):
 
     def add_sums(self, gradients, factor, accept) -> None:
         fields = self.carry.fields
+        rows = getattr(self.step, "rows", None)
         for i, g in zip(self.slots, gradients):
             if g is None:
                 continue
@@ -183,7 +184,6 @@ class WindowRecord(FitRecord):
             if factor is not None:
                 g = g * jnp.asarray(factor).astype(g.dtype)
             fields[name] = jnp.where(accept, total + g.astype(total.dtype), total)
-            rows = getattr(self.step, "rows", None)
             if rows is not None:
                 fields[name] = rows.constrain(i, fields[name])
 

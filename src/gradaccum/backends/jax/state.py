@@ -168,7 +168,7 @@ class AccumulationState(Packed, keras.metrics.Metric):
         layouts = layouts or [None] * len(variables)
         self.accumulators = []
         for i, (v, layout) in enumerate(zip(variables, layouts)):
-            shape, layout = tuple(v.shape), layout
+            shape = tuple(v.shape)
             if split:
                 shape, layout = (), replicated(())
             elif rows is not None:
