@@ -35,6 +35,7 @@ _EXPORTS: dict[str, str | dict[str, str]] = {
     "audit": "gradaccum.auditing",
     "AuditReport": "gradaccum.auditing",
     "Privacy": "gradaccum.core.privacy",
+    "NoiseScaleSchedule": "gradaccum.core.noise_scale",
     "privacy_spent": "gradaccum.privacy",
     "load_model": "gradaccum.model_file",
 }
@@ -45,6 +46,7 @@ __all__ = [
     "BatchNormalization",
     "CountingCrossDeviceOps",
     "GradientAccumulator",
+    "NoiseScaleSchedule",
     "Privacy",
     "__version__",
     "accumulate",
@@ -66,6 +68,7 @@ if TYPE_CHECKING:  # pragma: no cover
         convert_batch_normalization,
     )
     from gradaccum.backends.tensorflow.communication import CountingCrossDeviceOps
+    from gradaccum.core.noise_scale import NoiseScaleSchedule
     from gradaccum.core.privacy import Privacy
     from gradaccum.keras_model import AccumulatingModel, wrap
     from gradaccum.model_file import load_model

@@ -14,8 +14,10 @@ import threading
 import warnings
 
 import keras
+import numpy as np
 
 from gradaccum import added_losses
+from gradaccum.core import noise_scale
 from gradaccum.weighting import micro_batch_sizes, uniform_message
 
 EMPTY_FIT = (
@@ -77,6 +79,8 @@ class EpochHook(keras.callbacks.Callback):
         self._field("resume_skip").assign(skip)
         epoch_step.assign(0)
         self.first_epoch = False
+        # The epoch's noise scale reads its own windows.
+        reset_noise(self.accumulation)
         self.accumulation.epoch_began(self, skip)
 
     def on_train_batch_begin(self, batch, logs=None):
@@ -96,6 +100,7 @@ class EpochHook(keras.callbacks.Callback):
         accumulation.end_of_data()
         self._field("epoch_step").assign(0)
         accumulation.write_logs(logs)
+        noise_logs(accumulation, logs)
         accumulation.warn()
 
     def on_train_end(self, logs=None):
@@ -103,6 +108,46 @@ class EpochHook(keras.callbacks.Callback):
         self.accumulation.end_of_data()
         if self.calls == 0 and self.epochs_to_run:
             raise ValueError(EMPTY_FIT)
+
+
+def noise_fields(accumulation) -> dict:
+    """The noise scale's readings' sums (`core.noise_scale.TOTALS`) of the window
+    record the logs report, by name (each `numpy()`, `assign`); empty without
+    `noise_scale` or before the state is made."""
+    if not accumulation.options.noise_scale or accumulation.state is None:
+        return {}
+    named = accumulation.saved_variables()
+    for prefix in ("", "own_0_"):
+        if prefix + "noise_trace" in named:
+            return {name: named[prefix + name] for name in noise_scale.FIELDS}
+    return {}
+
+
+def reset_noise(accumulation) -> None:
+    """A new reading of the noise scale starts (the epoch's start)."""
+    for name, variable in noise_fields(accumulation).items():
+        if name in noise_scale.TOTALS:
+            variable.assign(np.zeros_like(variable.numpy()))
+
+
+def noise_logs(accumulation, logs) -> None:
+    """The epoch's `noise_scale` (B_simple in samples from its windows, NaN where
+    none counted) in its `logs`."""
+    fields = noise_fields(accumulation)
+    if logs is None or not fields:
+        return
+    estimate = noise_scale.estimate(*(fields[name].numpy() for name in noise_scale.TOTALS))
+    logs["noise_scale"] = estimate
+    schedule = accumulation.options.window.steps
+    if isinstance(schedule, noise_scale.NoiseScaleSchedule):
+        # The k the epoch's last window opened with; at the epoch's end, the next
+        # epoch's k from this epoch's estimate.
+        held = int(fields["noise_steps"].numpy())
+        logs["steps"] = float(held if held > 0 else schedule.initial_steps)
+        following = schedule.steps_for(estimate)
+        if schedule.every == "epoch" and following is not None:
+            held = fields["noise_steps"]
+            held.assign(np.asarray(following).astype(held.numpy().dtype))
 
 
 def begin_fit(accumulation, hook, epochs, callbacks, kwargs):

@@ -310,8 +310,11 @@ def test_the_error_messages():
 
 
 def test_the_fields_are_declared_once_with_the_names_checkpoints_keep():
-    names = declared.WINDOW_NAMES + declared.FIT_NAMES
+    noise = tuple(field.name for field in declared.NOISE)
+    names = declared.WINDOW_NAMES + declared.FIT_NAMES + noise
     assert len(set(names)) == len(names)
     assert set(declared.RESET) == {"total_weight", "micro_step", "window_skipped",
-                                   "received"}
+                                   "received", *declared.NOISE_PIECES}
+    assert set(declared.NOISE_PIECES) == {"noise_pieces_norm", "noise_pieces",
+                                          "noise_samples"}
     assert declared.accumulator_name(3) == "accumulator_3"

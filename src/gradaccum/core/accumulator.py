@@ -15,6 +15,9 @@ import abc
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
+from gradaccum.core import noise_scale
 from gradaccum.core.state import WINDOW_NAMES
 from gradaccum.core.window import WindowRule
 
@@ -100,6 +103,33 @@ class Accumulator(abc.ABC):
         """The total weight of the last update's window (across replicas or
         processes)."""
         return self.field("last_window_weight")
+
+
+    @property
+    def noise_scale(self) -> float:
+        """The gradient noise scale B_simple (`gradaccum.core.noise_scale`): the
+        critical batch size's estimate from the windows applied since the
+        accumulator was made or `reset_noise_scale` was called, in the unit of the
+        weights given (samples where `weight` is the micro-batch's size). NaN
+        where no window of two micro-batches or more was applied (or the estimate
+        of |G|^2 is not above 0). A read of the state (a host value: not inside a
+        compiled function). Needs `noise_scale=True`."""
+        return noise_scale.estimate(*(self._noise_field(name).numpy()
+                                      for name in noise_scale.TOTALS))
+
+    def reset_noise_scale(self) -> None:
+        """Starts a new reading of `noise_scale` (at an epoch's start, say)."""
+        for name in noise_scale.TOTALS:
+            variable = self._noise_field(name)
+            variable.assign(np.zeros_like(variable.numpy()))
+
+    def _noise_field(self, name: str) -> Any:
+        named = self.state_variables()
+        if name not in named:
+            raise ValueError(
+                "This accumulator keeps no noise scale: make it with "
+                "`noise_scale=True`. Received: noise_scale=False")
+        return named[name]
 
 
 class StatefulAccumulator(Accumulator):

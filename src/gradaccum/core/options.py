@@ -23,12 +23,14 @@ import keras
 from gradaccum.core.combine import REDUCTIONS
 from gradaccum.core.hints import DType, Integer, Nonfinite, Real, Steps, Weighting
 from gradaccum.core.moving_statistics import MODES as MOVING_MODES
+from gradaccum.core.noise_scale import NoiseScaleSchedule
 from gradaccum.core.policy import Policy
 from gradaccum.core.privacy import PRIVACY_FIELDS, Privacy, check_privacy
 from gradaccum.core.privacy import check_options as check_private_options
 from gradaccum.core.validation import (
     accumulator_dtype_name,
     check_choice,
+    check_noise_scale,
     check_nonfinite,
     check_weighting,
     check_window_options,
@@ -57,7 +59,8 @@ OPTIONS = (
         index (counted from 0, saved with the state): sorted `(from_update, k)` pairs
         starting at 0, such as `[(0, 1), (2, 2), (4, 4)]`, or a callable
         `update_index -> int` (traced in the step: TensorFlow runs it through
-        AutoGraph, JAX traces it as it is). A window's length is read when it
+        AutoGraph, JAX traces it as it is), or a `gradaccum.NoiseScaleSchedule`
+        (k follows the gradient noise scale). A window's length is read when it
         opens."""),
     Option("micro_batch_size", None, """
         instead of `steps`, split mode: each batch the training step receives is cut
@@ -115,6 +118,13 @@ OPTIONS = (
         it is added (Keras's own step's communication: for a loss that compares a
         micro-batch's samples with each other, such as in-batch negatives). On one
         device the three are the same."""),
+    Option("noise_scale", False, """
+        `True`: each epoch's logs (and so `History` and every callback) get
+        `noise_scale`, the gradient noise scale B_simple in samples, estimated from
+        the epoch's windows (their micro-batches' gradients against the window's:
+        the critical batch size's estimate, see the guide "Choosing k"). Needs
+        windows of two micro-batches or more, or several replicas; training is
+        unchanged."""),
     Option("privacy", None, """
         a `gradaccum.Privacy`: differentially private training (DP-SGD), each
         example's gradient clipped, the noise added once per window (see there).
@@ -141,6 +151,7 @@ class AccumulationOptions(TypedDict, total=False):
     nonfinite: Nonfinite
     moving_statistics: str
     sums: str
+    noise_scale: bool
     privacy: Privacy | None
 
 
@@ -254,6 +265,9 @@ class Options:
         self.sums = check_choice("sums", values["sums"], SUMS)
         # Differentially private training (`gradaccum.Privacy`), or None.
         self.privacy = check_privacy(values["privacy"])
+        # A `NoiseScaleSchedule` follows the noise scale: it needs its estimate.
+        self.noise_scale = check_noise_scale(
+            values["noise_scale"] or self.window.follows, self.reduction, self.privacy)
         if self.privacy is not None:
             check_private_options(self)
 
@@ -295,6 +309,8 @@ class Options:
         same rule."""
 
         def named(value: Any) -> Any:
+            if isinstance(value, NoiseScaleSchedule):
+                return {"NoiseScaleSchedule": value.get_config()}
             if callable(value):
                 return getattr(value, "__qualname__", type(value).__qualname__)
             if isinstance(value, (list, tuple)):
@@ -322,6 +338,8 @@ class Options:
                 value = {field: getattr(value, field) for field in PRIVACY_FIELDS}
             elif isinstance(value, tuple):
                 value = [list(pair) for pair in value]
+            elif isinstance(value, NoiseScaleSchedule):
+                value = keras.saving.serialize_keras_object(value)
             elif callable(value):
                 value = keras.saving.serialize_keras_object(value)
             config[name] = value

@@ -99,10 +99,35 @@ FIT = (
           doc="that micro-batch's number among all micro-batches (from 1)"),
 )
 
+# With `noise_scale=True`, each window record also keeps these
+# (`gradaccum.core.noise_scale`): the open window's pieces, and the estimates of the
+# windows closed since the last reading (an epoch's start in `fit`).
+NOISE = (
+    Field("noise_pieces_norm", "weight", reset=True,
+          doc="the open window's sum over its pieces (its accepted micro-batches, or "
+              "their replicas' shares) of |w_p g_p|^2 / w_p"),
+    Field("noise_pieces", "count", reset=True,
+          doc="the open window's pieces of nonzero weight"),
+    Field("noise_samples", "weight", reset=True,
+          doc="the samples of the open window's accepted micro-batches"),
+    Field("noise_trace", "weight",
+          doc="the sum, over the windows closed since the last reading, of their "
+              "estimate of tr(Sigma) in samples"),
+    Field("noise_gradient", "weight",
+          doc="the same windows' sum of their estimate of |G|^2"),
+    Field("noise_windows", "count", doc="the windows those sums hold"),
+    Field("noise_steps", "count",
+          doc="with a `NoiseScaleSchedule`: the window length it has set"),
+)
+
+# The open window's noise fields: under several replicas or processes, each one's
+# own pieces, summed when the window closes.
+NOISE_PIECES = tuple(field.name for field in NOISE if field.reset)
+
 WINDOW_NAMES = tuple(field.name for field in WINDOW)
 FIT_NAMES = tuple(field.name for field in FIT)
 # Fields the window's close zeroes.
-RESET = tuple(field.name for field in WINDOW if field.reset)
+RESET = tuple(field.name for field in WINDOW + NOISE if field.reset)
 # Fields that describe the running epoch, never restored from a checkpoint into
 # another fit (its hook sets them).
 EPOCH_ONLY = ("epoch_length",)
@@ -120,9 +145,11 @@ ERROR_FIELDS = ("error", "error_at", "error_micro_batch")
 LARGEST_KEPT = 1 << 16
 
 
-def fields(record, *, without=()) -> tuple:
-    """The fields of `record` (`WINDOW` or `FIT`) but those named in `without`."""
-    return tuple(field for field in record if field.name not in without)
+def fields(record, *, without=(), noise: bool = False) -> tuple:
+    """The fields of `record` (`WINDOW` or `FIT`) but those named in `without`;
+    with `noise`, the window record's `NOISE` fields after them."""
+    return tuple(field for field in record if field.name not in without) + (
+        NOISE if noise else ())
 
 
 def accumulator_name(index: int) -> str:

@@ -23,12 +23,12 @@ few things that differ per backend (its primitives, declared in
 - the sum's add (`add_sums`: in place and sparse on TensorFlow, `where` on JAX);
 - conditional execution (`close`: TensorFlow's functional `If` kept whole, JAX's
   `lax.cond`), and the optimizer update itself (`apply`);
-- the non-finite check (`all_finite`), and what an error does (`fail`: raise, or
-  record it for `fit` to raise after a compiled step that cannot);
-- the privacy noise (`noised`) and the loss scale's variables (`loss_scale`).
+- the non-finite check (`all_finite`), what an error does (`fail`: raise, or
+  record it for `fit` to raise), the privacy noise (`noised`), the loss scale's
+  variables (`loss_scale`).
 
-The fit record (`gradaccum.core.state.FIT`) adds the epoch's end (`end_of_data`),
-resuming inside an epoch (`resuming`) and the loss terms' ratios (`track_terms`).
+The fit record (`gradaccum.core.state.FIT`) adds the epoch's end (`end_of_data`)
+and the loss terms' ratios (`track_terms`); the noise scale is `core.noise_scale`'s.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import NamedTuple
 import keras
 import numpy as np
 
-from gradaccum.core import overwrite, screening
+from gradaccum.core import noise_scale, overwrite, screening
 from gradaccum.core.combine import combine
 from gradaccum.core.loss_scaling import react
 from gradaccum.core.messages import warn_no_compiled_loss
@@ -82,7 +82,10 @@ def open_window(policy: Policy, record) -> None:
 
 def _scheduled_length(rule, record, opening):
     """The open window's length under a schedule: read at the update it will make
-    where the window is `opening`, else the one it opened with."""
+    where the window is `opening`, else the one it opened with (a
+    `NoiseScaleSchedule`'s: `noise_scale.followed_length`)."""
+    if rule.follows:
+        return noise_scale.followed_length(rule.steps, record, opening)
 
     def read():
         return ops.cast(rule.length(record.get("updates")), "int32")
@@ -405,7 +408,8 @@ def close(policy: Policy, record, apply, close, gradients=None, fit=None):
 
     def update():
         if gradients is None:
-            record.apply(combined(policy, record))
+            sums = noise_scale.window_closed(record, record.sums(), record.get("total_weight"))
+            record.apply(combined(policy, record, sums=sums))
         else:
             record.apply([None if g is None else ops.cast(g, dtype)
                           for g, dtype in zip(gradients, record.dtypes())])
@@ -441,11 +445,10 @@ def _unexpected_weight(policy: Policy, record, fit):
         length = record.get("window_steps")
     else:
         return ops.convert_to_tensor(False)
+    early = ops.convert_to_tensor(True)
     if fit.has("epoch_length"):
         epoch_length = fit.get("epoch_length")
         early = (epoch_length <= 0) | (fit.get("epoch_step") < epoch_length)
-    else:
-        early = ops.convert_to_tensor(True)
     return (window_length(record) < length) & early
 
 
@@ -488,7 +491,7 @@ class Outcome(NamedTuple):
 
 def micro_batch(policy: Policy, record, gradients, weight, *, weighted=False,
                 loss_scale=None, grows=True, end=None, fit=None, direct=False,
-                closes=True, unit=None):
+                closes=True, unit=None, samples=None, pieces=None):
     """One micro-batch's gradients through the window: open, screen, admit, and
     (where `closes`) decide and close. Returns whether it was accepted.
 
@@ -509,6 +512,8 @@ def micro_batch(policy: Policy, record, gradients, weight, *, weighted=False,
             gradients are taken times `unit` (and unscaled, under loss scaling). A
             `Unit` (`loss_factor`'s) also says whether the micro-batch weighs
             otherwise than its window expected: flagged in the fit record.
+        samples, pieces: for the noise scale, the micro-batch's samples (None: its
+            weight), and where the step cut it, its pieces (`noise_scale.add_piece`).
     """
     unequal = None
     if isinstance(unit, Unit):
@@ -542,6 +547,8 @@ def micro_batch(policy: Policy, record, gradients, weight, *, weighted=False,
         if policy.rule.weight_per_update is None:
             flagged = flagged | (~accept & (record.get("micro_step") > 0))
         fit.set("unequal", fit.get("unequal") | flagged)
+    if not direct:
+        noise_scale.add_piece(record, gradients, factor, weight, accept, samples, pieces)
     admit(policy, record, gradients, weight, accept, factor, direct=direct,
           divisor=divisor)
     if not closes:

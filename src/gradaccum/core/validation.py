@@ -391,3 +391,29 @@ def callable_weight(fn, x, y, sample_weight):
 
 # The message of a negative weight from a `weighting` callable.
 NEGATIVE_WEIGHT = "The `weighting` callable must return a weight >= 0"
+
+
+def check_noise_scale(noise_scale, reduction: str, privacy=None) -> bool:
+    """`noise_scale` as a bool, refused where no estimate is right: a reduction
+    other than "mean" (the estimators read the sums as weighted means), and
+    differentially private training (a reading of the unnoised gradients would
+    leak what the noise hides)."""
+    noise_scale = check_flag("noise_scale", noise_scale)
+    if noise_scale and reduction != "mean":
+        raise ValueError(
+            '`noise_scale=True` needs reduction="mean": the estimate reads the window\'s '
+            "sums as a weighted mean of its micro-batches' gradients. Received: "
+            f"reduction={reduction!r}")
+    if noise_scale and privacy is not None:
+        raise ValueError(
+            "`noise_scale=True` cannot be used with `privacy`: the estimate reads the "
+            "gradients before their noise, and logging it would reveal what the "
+            "noise hides. Received: noise_scale=True with a gradaccum.Privacy")
+    return noise_scale
+
+
+def check_flag(name: str, value) -> bool:
+    """`value` as a bool; raises unless it is True or False."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"`{name}` must be True or False. Received: {name}={value!r}")
+    return bool(value)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import keras
 
+from gradaccum.core.noise_scale import NoiseScaleSchedule
 from gradaccum.core.validation import check_callable_result, check_window_rule, is_integer_dtype
 
 PARTIALS = ("flush", "carry", "drop")
@@ -70,7 +71,15 @@ class WindowRule:
 
     def __init__(self, steps=None, weight_per_update=None,
                  runner: ScheduleRunner | None = None):
-        self.steps, self.weight_per_update = check_window_rule(steps, weight_per_update)
+        if isinstance(steps, NoiseScaleSchedule):
+            # k follows the windows' noise scale (`core.noise_scale`).
+            self.steps, self.weight_per_update = steps, check_window_rule(
+                None, weight_per_update)[1]
+            if weight_per_update is not None:
+                check_window_rule(1, weight_per_update)
+        else:
+            self.steps, self.weight_per_update = check_window_rule(steps,
+                                                                   weight_per_update)
         self.runner = runner or ScheduleRunner()
         if callable(self.steps):
             # Ready to run in the backend's step, then tried on update 0: a wrong
@@ -90,6 +99,12 @@ class WindowRule:
         """Whether the window's length depends on the update index."""
         return self.steps is not None and self.constant is None
 
+    @property
+    def follows(self) -> bool:
+        """Whether the window's length follows the noise scale
+        (`NoiseScaleSchedule`)."""
+        return isinstance(self.steps, NoiseScaleSchedule)
+
     def length(self, update_index):
         """The length (a tensor of the runner's `length_dtype`) of the window that
         makes update `update_index` (counted from 0); 0 with a weight budget (no
@@ -98,6 +113,9 @@ class WindowRule:
         dtype = self.runner.length_dtype
         if self.steps is None:
             return ops.convert_to_tensor(0, dtype)
+        if self.follows:
+            # Its first windows' (later ones' are read from the state).
+            return ops.convert_to_tensor(self.steps.initial_steps, dtype)
         if callable(self.steps):
             value = self.runner.value(self._prepared, update_index)
             return ops.cast(checked_schedule_value(value), dtype)

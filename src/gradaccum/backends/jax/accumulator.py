@@ -27,9 +27,10 @@ from gradaccum.core.accumulator import Accumulator
 from gradaccum.core.combine import REDUCTIONS
 from gradaccum.core.hints import DType, Nonfinite, Real, Steps
 from gradaccum.core.policy import Policy
-from gradaccum.core.state import ERROR_FIELDS, FIT, WINDOW, accumulator_name
+from gradaccum.core.state import ERROR_FIELDS, FIT, WINDOW, accumulator_name, fields
 from gradaccum.core.validation import (
     check_choice,
+    check_noise_scale,
     check_nonfinite,
     check_optimizer,
     check_variables,
@@ -133,7 +134,7 @@ class GradientAccumulator(Packed, Accumulator):
     def __init__(self, variables: Sequence[Any], *, steps: Steps | None = None,
                  weight_per_update: Real | None = None, reduction: str = "mean",
                  accumulator_dtype: DType = "float32", nonfinite: Nonfinite = "skip",
-                 name: str = "gradient_accumulator") -> None:
+                 noise_scale: bool = False, name: str = "gradient_accumulator") -> None:
         from gradaccum.backends.jax.fit import check_accumulator_dtype
 
         variables = check_variables(variables)
@@ -145,7 +146,8 @@ class GradientAccumulator(Packed, Accumulator):
         self.target_variables = tuple(variables)
         weight_dtype = "float64" if self.accumulator_dtype == "float64" else "float32"
         # `received`: a gradient may be missing in some micro-batches only.
-        declared = [(field.name, field) for field in WINDOW]
+        noise = check_noise_scale(noise_scale, self.reduction)
+        declared = [(field.name, field) for field in fields(WINDOW, noise=noise)]
         declared += [(field.name, field) for field in FIT if field.name in ERROR_FIELDS]
         initial = self.layout(declared, 0, weight_dtype, variables=len(variables))
         with keras.name_scope(name):

@@ -165,7 +165,8 @@ def plan(model, options, variables, layouts, follower, own_step) -> DeviceRows |
     axes = shards.axis if isinstance(shards.axis, tuple) else (shards.axis,)
     described = (f"{type(distribution).__name__} ({shards.count} devices on mesh axis "
                  f"{shards.axis!r})")
-    if options.window.constant == 1 and not options.split:
+    if options.window.constant == 1 and not options.split and not options.noise_scale:
+        # (With the noise scale each device's share is a piece of the window.)
         return None
     why = None
     overridden = [name for name in ("compute_loss", "compute_loss_and_updates")
@@ -389,23 +390,31 @@ def gradients(step, carry, x, y, sample_weight, weighted):
                         f"the training step changes {kind} variable "
                         f"{reference.path!r} from each device's samples")
         loss = (unscaled.astype("float32") * share)[None]
+        # The noise scale's pieces: each device's share, |g_d|^2 / n_d summed.
+        squared = sum(jnp.sum(jnp.square(g.astype("float32"))) for g in grads)
+        mine = jnp.asarray(total * share, "float32")
+        pieces = jax.lax.psum(jnp.stack([
+            jnp.where(mine > 0, squared / jnp.where(mine > 0, mine, 1.0), 0.0),
+            (mine > 0).astype("float32")]), axes) if noise else jnp.zeros((2,))
         held = [g[None] if dim is None else
                 jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
                 for g, dim in zip(grads, rows.dims)]
-        return held, loss, y_pred, total, moved, list(updated)
+        return held, loss, y_pred, total, moved, list(updated), pieces
 
     batch = PartitionSpec(axes)
     whole = PartitionSpec()
-    held, losses, y_pred, total, moved, updated = jax.shard_map(
+    noise = "noise_pieces_norm" in carry.fields
+    held, losses, y_pred, total, moved, updated, pieces = jax.shard_map(
         local, mesh=rows.mesh,
         in_specs=(whole, whole, whole, whole, batch),
         out_specs=([rows.out_spec(i, len(v.shape)) for i, v in enumerate(trainable)],
-                   batch, batch, whole, whole, whole),
+                   batch, batch, whole, whole, whole, whole),
         axis_names=set(rows.axes),
     )(list(trainable), list(non_trainable), list(metrics), list(optimizer),
       (x, y, sample_weight))
     step.forward_state = list(moved)
     step.forward_metrics = list(updated)
+    step.noise_pieces = (pieces[0], pieces[1]) if noise else None
     return jnp.sum(losses), y_pred, total, list(held), [total], weighted, None
 
 

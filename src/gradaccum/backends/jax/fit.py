@@ -129,7 +129,7 @@ class Accumulation(adapter.Accumulation):
             self._variables, self.options.accumulator_dtype, terms=terms,
             layouts=layouts, split=self.options.split,
             private=private, records=max(1, records), statistics=follower.fields(),
-            rows=rows,
+            rows=rows, noise=self.options.noise_scale,
         )
         kc.model_metrics(host).append(self.state)
         self.restore_pending()

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from gradaccum import _keras_common as kc
 from gradaccum.backend_interface import Record
 from gradaccum.backends.jax import privacy
+from gradaccum.core import noise_scale
 from gradaccum.core.state import ERRORS, accumulator_name
 from gradaccum.core.window import ScheduleRunner, checked_schedule_value
 
@@ -191,18 +192,25 @@ class WindowRecord(FitRecord):
         carry = self.carry
         apply = jnp.asarray(apply) & self.holds()
 
+        # The fields the update writes (the noise scale's sums): carried through it.
+        written = [name for name in noise_scale.TOTALS if name in carry.fields]
+
         def branch(run):
             def fn(operands):
                 carry.trainable, carry.optimizer = list(operands[0]), list(operands[1])
+                carry.fields.update(zip(written, operands[2]))
                 if run:
                     update()
-                return list(carry.trainable), list(carry.optimizer)
+                return (list(carry.trainable), list(carry.optimizer),
+                        [carry.fields[name] for name in written])
 
             return fn
 
-        carry.trainable, carry.optimizer = jax.lax.cond(
-            apply, branch(True), branch(False), (list(carry.trainable), list(carry.optimizer))
-        )
+        carry.trainable, carry.optimizer, values = jax.lax.cond(
+            apply, branch(True), branch(False),
+            (list(carry.trainable), list(carry.optimizer),
+             [carry.fields[name] for name in written]))
+        carry.fields.update(zip(written, values))
         # The bookkeeping is scalars: computed, and kept where the window closes.
         before = dict(carry.fields)
         finish(apply)

@@ -66,7 +66,7 @@ def split_batch(step, carry: Carry, data, size):
         accepted = tr.micro_batch(
             step.policy, record, gradients, weight, weighted=weighted_gradients,
             loss_scale=loss_scale, grows=False, closes=False, unit=unit,
-            fit=FitRecord(inner),
+            fit=FitRecord(inner), samples=tr.samples(x), pieces=step.noise_pieces,
         )
         inner.non_trainable = where_accepted(accepted, inner.non_trainable, non_trainable)
         step.follow(inner, non_trainable, step.forward_state,

@@ -143,7 +143,8 @@ class AccumulationState(Packed, keras.metrics.Metric):
     ERRORS = ERRORS
 
     def __init__(self, variables, accumulator_dtype="float32", terms=0, layouts=None,
-                 split=False, private=False, records=1, statistics=(), rows=None):
+                 split=False, private=False, records=1, statistics=(), rows=None,
+                 noise=False):
         keras.metrics.Metric.__init__(self, name="gradaccum_state")
         self.records = records
         # Under a keras.distribution's batch axis of N devices, the sums kept per
@@ -153,7 +154,7 @@ class AccumulationState(Packed, keras.metrics.Metric):
         self.split = split
         fit = fields(FIT, without=() if private else ("largest_window",))
         # A gradient is never missing at run time on JAX: no `received` counts.
-        window = fields(WINDOW, without=("received",))
+        window = fields(WINDOW, without=("received",), noise=noise)
         declared = [(field.name, field) for field in fit]
         for j in range(records):
             declared += [(window_prefix(j) + field.name, field) for field in window]

@@ -99,8 +99,10 @@ class TrainStep:
         # A window of one micro-batch (steps=1) in Keras's step: the micro-batch's
         # gradient is the window's, applied without passing through the accumulators
         # (as TensorFlow's step does): no pass to add it, none to read and reset it.
+        # (Not with the noise scale, whose pieces are the devices' shares.)
         self.direct = (own_step is None and not options.split and not self.loss_scaled
-                       and options.window.constant == 1 and options.privacy is None)
+                       and options.window.constant == 1 and options.privacy is None
+                       and not options.noise_scale)
         # DP-SGD: the root key of the window's noise (`privacy.noised`).
         self.privacy = options.privacy
         self.noise_key = None
@@ -112,6 +114,9 @@ class TrainStep:
         self.rows = state.rows
         self.seed_slots = device_sums.seed_slots(model) if self.rows is not None else []
         self.rows_fallback = False
+        # The noise scale's pieces of the micro-batch being traced, where the step
+        # cut it per device (`device_sums.gradients`), else None.
+        self.noise_pieces = None
         # Whether the fit can restore inside an epoch (BackupAndRestore): only then
         # does the step carry the branch that skips micro-batches trained on.
         self.resumable = False
@@ -173,6 +178,7 @@ class TrainStep:
             self.policy, record, gradients, weight, weighted=weighted,
             loss_scale=self.growth_steps if self.loss_scaled else None,
             end=end, fit=fit, direct=self.direct, unit=unit, closes=closes,
+            samples=tr.samples(x), pieces=self.noise_pieces,
         )
         if not closes:
             tr.unclosed(self.policy, record, end)
@@ -211,6 +217,8 @@ class TrainStep:
         # the scaled loss is the one Keras scales (no extra overflows).
         weighted = policy.mean and not self.loss_scaled and not self.direct
         optimizer_variables = carry.optimizer
+        # Each device's share is a piece of the noise scale's (`device_sums`).
+        self.noise_pieces = None
         if self.rows is not None and not self.rows_fallback:
             try:
                 with self.follower.observing():

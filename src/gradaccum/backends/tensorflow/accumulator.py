@@ -42,6 +42,7 @@ from gradaccum.core.screening import warn_skipped  # noqa: E402
 from gradaccum.core.validation import (  # noqa: E402
     check_choice,
     check_loss_scale_optimizer,
+    check_noise_scale,
     check_optimizer,
     check_variables,
 )
@@ -182,6 +183,7 @@ class GradientAccumulator(tf.Module, StatefulAccumulator):
         accumulator_dtype: DType = "float32",
         layers: Any = None,
         nonfinite: Nonfinite = "skip",
+        noise_scale: bool = False,
         name: str = "gradient_accumulator",
     ) -> None:
         super().__init__(name=name)
@@ -211,7 +213,9 @@ class GradientAccumulator(tf.Module, StatefulAccumulator):
             layer._accumulated = True
         self._batch_norms = Untracked(tuple(batch_norms))
         with tf.name_scope(name):
-            self.state = AccumulatorState(variables, self._accumulator_dtype, strategy)
+            self.state = AccumulatorState(variables, self._accumulator_dtype, strategy,
+                                          noise=check_noise_scale(noise_scale,
+                                                                  self._reduction))
 
     # Read-only views -------------------------------------------------------------
 
@@ -347,7 +351,8 @@ class GradientAccumulator(tf.Module, StatefulAccumulator):
     def _run(self, gradients: Sequence[Any], weight: Any, *, weighted: bool,
              loss_scale_optimizer: Any = None, optimizer: Any = None,
              policy: Policy | None = None, end: Any = None, fit: Any = None,
-             direct: bool = False, record: Any = None, unit: Any = None) -> Any:
+             direct: bool = False, record: Any = None, unit: Any = None,
+             samples: Any = None) -> Any:
         """One micro-batch through the state machine (`core.transitions.micro_batch`):
         accumulated, and where `optimizer` is given, the window closed when it is
         due (or, with `end`, as `policy.partial` says at the end of the data).
@@ -364,6 +369,8 @@ class GradientAccumulator(tf.Module, StatefulAccumulator):
             direct: a window of one micro-batch, applied from its gradients.
             record: the window record to use (one the step made already).
             unit: the step differentiated `w_i * L_i / unit` (`transitions.loss_unit`).
+            samples: the micro-batch's samples (the noise scale's unit; None: its
+                weight).
 
         Returns:
             Whether the micro-batch was accepted (a boolean tensor).
@@ -385,7 +392,7 @@ class GradientAccumulator(tf.Module, StatefulAccumulator):
         accepted = tr.micro_batch(
             policy or self._policy.value, record, gradients, weight, weighted=weighted,
             loss_scale=growth_steps, end=end, fit=fit, direct=direct,
-            closes=optimizer is not None, unit=unit,
+            closes=optimizer is not None, unit=unit, samples=samples,
         )
         self._warn_if_skipped(accepted)
         return accepted

@@ -79,6 +79,7 @@ class Accumulation(adapter.Accumulation):
             accumulator_dtype=self.options.accumulator_dtype,
             layers=layers,
             nonfinite=self.options.nonfinite,
+            noise_scale=self.options.noise_scale,
             name=name,
         )
         # A new accumulator's window is empty: so are the windows of the layers it

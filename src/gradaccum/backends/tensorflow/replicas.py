@@ -20,6 +20,7 @@ from gradaccum.backends.tensorflow import keras_compat as kc
 from gradaccum.backends.tensorflow.record import VariableRecord
 from gradaccum.core import loss_scaling
 from gradaccum.core import transitions as tr
+from gradaccum.core.state import NOISE_PIECES as PIECES
 
 
 class ReplicaRecord(VariableRecord):
@@ -125,13 +126,19 @@ class ReplicaRecord(VariableRecord):
         state = self.state
         accumulator = self.accumulator
         n = len(state.accumulators)
+        # With the noise scale, the replicas' pieces (each replica's share of each
+        # micro-batch is one) join the reduction.
+        noise = [getattr(state, name) for name in PIECES if self.has(name)]
         reduced = dist.reduce_window(
-            strategy, [*state.accumulators, state.total_weight, state.received, *window]
+            strategy, [*state.accumulators, state.total_weight, state.received,
+                       *[tf.cast(value, state.total_weight.dtype) for value in noise],
+                       *window]
         )
-        sums, (total_weight, received, skipped) = reduced[:n], reduced[n:n + 3]
-        skipped = skipped[0]
+        sums, (total_weight, received) = reduced[:n], reduced[n:n + 2]
+        pieces = dict(zip(PIECES, reduced[n + 2:n + 2 + len(noise)]))
+        skipped = reduced[n + 2 + len(noise)][0]
         self.pooled = None
-        extra = list(reduced[n + 3:])
+        extra = list(reduced[n + 3 + len(noise):])
         layers, replicas = accumulator.batch_normalization_layers, strategy.num_replicas_in_sync
         if layers:
             # Each driven batch normalization layer's replicas' windows, pooled.
@@ -142,7 +149,8 @@ class ReplicaRecord(VariableRecord):
             ]
         if self._kept_values():
             sums = self._replicas_maxima(sums, extra.pop(0), replicas)
-        self.reduced = {"sums": sums, "total_weight": total_weight, "received": received}
+        self.reduced = {"sums": sums, "total_weight": total_weight, "received": received,
+                        **pieces}
         micro_batches = tr.window_length(self)
         # Every replica's skipped shares, in the one count every replica keeps.
         state.skipped.assign(state.skipped + tf.cast(skipped, state.skipped.dtype))

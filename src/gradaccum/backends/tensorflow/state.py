@@ -13,7 +13,10 @@ import contextlib
 import tensorflow as tf
 
 from gradaccum.backends.tensorflow.distributed import COUNTED, SUMMED
+from gradaccum.core.state import NOISE
 from gradaccum.core.validation import variable_name
+
+NOISE_NAMES = tuple(field.name for field in NOISE)
 
 
 class Untracked:
@@ -64,8 +67,11 @@ class AccumulatorState(tf.Module):
         "last_window_weight",
     )
 
-    def __init__(self, variables, accumulator_dtype, strategy=None, name="state"):
+    def __init__(self, variables, accumulator_dtype, strategy=None, name="state",
+                 noise=False):
         super().__init__(name=name)
+        # With the noise scale, its fields (`core.state.NOISE`) after the others.
+        self.fields = self.FIELDS + (NOISE_NAMES if noise else ())
         weight_dtype = tf.float64 if accumulator_dtype == tf.float64 else tf.float32
         scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
         with scope:
@@ -97,11 +103,19 @@ class AccumulatorState(tf.Module):
             self.last_window_weight = tf.Variable(
                 tf.constant(0, weight_dtype), name="last_window_weight", **COUNTED
             )
+            if noise:
+                # The open window's pieces are each replica's (summed when read);
+                # the readings' sums are written once per window, alike everywhere.
+                for field in NOISE:
+                    kind = SUMMED if field.reset else COUNTED
+                    dtype = tf.int64 if field.kind == "count" else weight_dtype
+                    setattr(self, field.name, tf.Variable(
+                        tf.zeros([], dtype), name=field.name, **kind))
 
     def named(self) -> dict[str, tf.Variable]:
         """Every variable under its stable name (`accumulator_<i>` and the fields)."""
         named = {f"accumulator_{i}": v for i, v in enumerate(self.accumulators)}
-        named.update({field: getattr(self, field) for field in self.FIELDS})
+        named.update({field: getattr(self, field) for field in self.fields})
         return named
 
 

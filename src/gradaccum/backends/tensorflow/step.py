@@ -25,6 +25,7 @@ def exact_step(accumulation, data):
     # the accumulators' copy.
     single = accumulation.options.window.constant == 1 and not (
         accumulation.options.privacy is not None
+        or accumulation.options.noise_scale  # its pieces may be the replicas' shares
         or tf.distribute.has_strategy()
         or kc.is_loss_scale_optimizer(host.optimizer)
         or acc.batch_normalization_layers
@@ -100,7 +101,7 @@ def micro_batch(accumulation, x, y, sample_weight, single=False, end=None, close
         gradients, weight, weighted=weigh_loss or not mean,
         loss_scale_optimizer=host.optimizer if loss_scaled else None,
         optimizer=optimizer, policy=policy, end=end, fit=accumulation.fit_record(),
-        direct=single, record=record, unit=unit,
+        direct=single, record=record, unit=unit, samples=tr.samples(x),
     )
     following.end(accumulation, start, record.outcome)
     return y_pred, replica_loss, weight, record.outcome.accepted

@@ -31,6 +31,7 @@ from gradaccum.core.validation import (
     accumulator_dtype_name,
     check_choice,
     check_loss_scale_optimizer,
+    check_noise_scale,
     check_nonfinite,
     check_optimizer,
     check_variables,
@@ -128,7 +129,7 @@ class GradientAccumulator(StatefulAccumulator):
                  weight_per_update: Real | None = None, reduction: str = "mean",
                  accumulator_dtype: DType = "float32", nonfinite: Nonfinite = "skip",
                  process_group: Any = "auto", sums: str = "local",
-                 name: str = "gradient_accumulator") -> None:
+                 noise_scale: bool = False, name: str = "gradient_accumulator") -> None:
         variables = check_variables(variables)
         self.sums = check_choice("sums", sums, ("local", "sharded"))
         self._rule = WindowRule(steps, weight_per_update, Runner())
@@ -152,7 +153,8 @@ class GradientAccumulator(StatefulAccumulator):
             self._sharded = ShardedSums(self._reducer, [tuple(v.shape) for v in variables])
         self.state = TorchState(
             variables, self.accumulator_dtype, fit=False, name=name,
-            shard_size=None if self._sharded is None else self._sharded.shard_size)
+            shard_size=None if self._sharded is None else self._sharded.shard_size,
+            noise=check_noise_scale(noise_scale, self.reduction))
         self._warned_skip = False
         self._scaling = None
 

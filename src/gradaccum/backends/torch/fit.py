@@ -102,7 +102,7 @@ class Accumulation(adapter.Accumulation):
         self.state = TorchState(
             self._variables, self.options.accumulator_dtype, records=max(1, records),
             terms=terms, private=self.options.privacy is not None,
-            statistics=follower.fields(),
+            statistics=follower.fields(), noise=self.options.noise_scale,
         )
         self.restore_pending()
 

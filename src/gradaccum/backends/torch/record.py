@@ -24,6 +24,7 @@ from gradaccum import _keras_common as kc
 from gradaccum.backend_interface import Record
 from gradaccum.backends.torch.state import window_prefix
 from gradaccum.core import messages, overwrite
+from gradaccum.core.state import NOISE_PIECES as PIECES
 from gradaccum.core.state import accumulator_name
 from gradaccum.core.window import ScheduleRunner
 
@@ -231,7 +232,7 @@ class WindowRecord(FieldRecord):
         return weight
 
     def get(self, name: str):
-        if self._global is not None and name in ("total_weight", "received"):
+        if self._global is not None and name in self._global[1]:
             value = self._global[1][name]
         else:
             value = super().get(name)
@@ -260,14 +261,14 @@ class WindowRecord(FieldRecord):
             # and the window's weight and received counts summed (one all-reduce).
             sums = self.sharded.gather(self.state.accumulators[0].value)
             fields = self.reduce.fields({name: super(WindowRecord, self).get(name)
-                                         for name in ("total_weight", "received")})
+                                         for name in self._reduced_fields()})
             self._global = (sums, fields)
         elif self.reduce is not None:
             # One all-reduce: the window's sums, weight and received counts of every
             # process; while the window closes they are the global window's.
             sums, fields = self.reduce.window(
                 self._sums(), {name: super(WindowRecord, self).get(name)
-                               for name in ("total_weight", "received")})
+                               for name in self._reduced_fields()})
             if any(self.overwrites):
                 sums = self.reduce.maxima(sums, self._sums(), self.overwrites)
             self._global = (sums, fields)
@@ -281,6 +282,12 @@ class WindowRecord(FieldRecord):
         if empty_sums:
             self.empty_sums()
         return torch.tensor(applied)
+
+    def _reduced_fields(self) -> tuple:
+        """The fields the processes' window sums at its close: its weight, the
+        received counts and (with the noise scale) its pieces."""
+        return ("total_weight", "received") + tuple(
+            name for name in PIECES if self.has(name))
 
     def holds(self):
         if self._global is not None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
-from gradaccum.core.state import FIT, WINDOW, accumulator_name
+from gradaccum.core.state import FIT, NOISE, WINDOW, accumulator_name
 
 # The name of a process's shard of the sums under `sums="sharded"`.
 SHARD = "accumulator_shard"
@@ -53,11 +53,12 @@ class TorchState:
         statistics: `(name, channels)` of the followed batch normalization layers'
             window statistics.
         fit: whether the fit record is kept (False: a custom loop's accumulator).
+        noise: whether each window record keeps the noise scale's fields.
     """
 
     def __init__(self, variables, accumulator_dtype="float32", *, records=1, terms=0,
                  private=False, statistics=(), fit=True, name="gradaccum",
-                 shard_size=None):
+                 shard_size=None, noise=False):
         self.records = records
         weight_dtype = "float64" if accumulator_dtype == "float64" else "float32"
         self.weight_dtype = weight_dtype
@@ -73,7 +74,7 @@ class TorchState:
                         np.zeros(tuple(v.shape), accumulator_dtype), accumulator_name(i))
             for j in range(records):
                 prefix = window_prefix(j)
-                for field in WINDOW:
+                for field in WINDOW + (NOISE if noise else ()):
                     named[prefix + field.name] = _variable(
                         _initial(field, weight_dtype, len(variables)), prefix + field.name)
             if fit:

@@ -144,10 +144,11 @@ class TrainStep:
         self.growth_steps = (int(model.optimizer.dynamic_growth_steps)
                              if self.loss_scaled else None)
         # A window of one micro-batch in Keras's step: its gradients go to the
-        # update as they are (no pass through the sums).
+        # update as they are (no pass through the sums; not with the noise scale,
+        # whose pieces may be the processes' shares).
         self.direct = (accumulation.own_train_step is None and not self.options.split
                        and not self.loss_scaled and self.options.window.constant == 1
-                       and self.options.privacy is None)
+                       and self.options.privacy is None and not self.options.noise_scale)
         self.warned_no_compiled_loss = False
         # A model's own step: the optimizers it applies that are not routed.
         self.unrouted = kc.UnroutedUpdates()
@@ -214,7 +215,7 @@ class TrainStep:
             accepted = micro_batch_transitions(
                 self.policy, record, gradients, weight, weighted=weighted,
                 loss_scale=self.growth_steps, end=tr.end_of_data(fit), fit=fit,
-                direct=self.direct, unit=unit,
+                direct=self.direct, unit=unit, samples=tr.samples(x),
             )
         accepted = truth(accepted)
         if not accepted and entry_state is not None:
@@ -366,7 +367,7 @@ class TrainStep:
                 accepted = truth(micro_batch_transitions(
                     self.policy, record, gradients, weight, weighted=weighted,
                     loss_scale=self.growth_steps, grows=False, closes=False, unit=unit,
-                    fit=fit))
+                    fit=fit, samples=tr.samples(x)))
             if not accepted and entry_state is not None:
                 self.forward_state.put_back(entry_state)
             self.follow(moving, tr.Outcome(accepted, False, False))

@@ -1,0 +1,280 @@
+"""The gradient noise scale, estimated from each window's own micro-batches.
+
+How large should a batch be? McCandlish, Kaplan, Amodei et al. (2018, "An
+Empirical Model of Large-Batch Training") answer with the gradient noise scale
+
+    B_simple = tr(Sigma) / |G|^2
+
+(`G` the true gradient, `Sigma` the per-sample gradients' covariance): batches much
+smaller than B_simple waste optimizer steps on noise, batches much larger waste
+samples. Their Appendix A.1 estimates both terms from gradient norms at two batch
+sizes. A window has those two sizes for free: its micro-batches and the window.
+
+A window of pieces `p` (its accepted micro-batches; under several replicas or
+devices, each one's share of them), each of weight `w_p` (its loss normalizer:
+samples, or tokens) and mean gradient `g_p`, combines into `G_W = sum_p w_p g_p / W`
+with `W = sum_p w_p`. For independent samples `E|g_p|^2 = |G|^2 + S / w_p` and
+`E|G_W|^2 = |G|^2 + S / W` (`S = tr(Sigma)` per unit of weight). With `m` pieces and
+`x = sum_p w_p |g_p|^2 / W` (so `E x = |G|^2 + m S / W`), the unbiased estimators
+are
+
+    |G|^2 ~ (m |G_W|^2 - x) / (m - 1)
+    S     ~ W (x - |G_W|^2) / (m - 1)
+
+A window needs two pieces or more. `S` is turned from units of weight into samples
+by the window's samples per unit of weight (`N / W`: 1 for a loss with one term per
+sample; the sequence length's inverse for a per-token loss), so the noise scale is
+in samples, the unit of a batch size. A reading is the ratio of the windows' sums
+of the two estimates (the ratio of their averages, the paper's practice: a ratio
+per window is noisy and biased).
+
+The step adds each piece's `|w_p g_p|^2 / w_p` (`add_piece`: one squared norm per
+micro-batch) and, at the close, one squared norm of the sums (`window_closed`). All
+of it stays on the device; a reading is taken by the host after an epoch or a
+window (`estimate`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import numpy as np
+
+from gradaccum.core import overwrite
+
+ops = keras.ops
+
+# The record's fields for the readings' sums (`core.state.NOISE`), and with a
+# `NoiseScaleSchedule` the window length it set.
+TOTALS = ("noise_trace", "noise_gradient", "noise_windows")
+FIELDS = (*TOTALS, "noise_steps")
+
+
+def squared_norm(gradients):
+    """The squared norm of all of `gradients` together (None entries left out), a
+    float32 scalar."""
+    total = ops.zeros((), "float32")
+    for g in gradients:
+        if g is not None:
+            g = ops.cast(g, "float32")
+            total = total + ops.sum(g * g)
+    return total
+
+
+def piece_norm(record, gradients, factor):
+    """`|factor * g|^2` over a micro-batch's gradients (not an
+    `overwrite_with_gradient` variable's value): the squared norm of what the sums
+    take (`factor` None: the gradients as they are). None without the record's
+    noise fields."""
+    if not record.has("noise_pieces_norm"):
+        return None
+    squared = squared_norm(overwrite.ordinary(gradients, record.overwrites))
+    if factor is None:
+        return squared
+    factor = ops.cast(factor, "float32")
+    return squared * factor * factor
+
+
+def add_piece(record, gradients, factor, weight, accept, samples=None,
+              pieces=None) -> None:
+    """Counts a micro-batch as one piece of the open window: its `gradients` times
+    `factor` (None: 1) are what the sums take of it, `w_p g_p`; `weight` its `w_p`,
+    `samples` its samples (None: its weight). An accepted piece of nonzero weight
+    counts; its samples count where it is accepted. Nothing without the record's
+    noise fields.
+
+    `pieces`: where the step cut the micro-batch itself (each device's share under
+    a keras.distribution: `gradients` are then the devices' rows), `(sum_d |g_d|^2
+    / w_d, count)` over its pieces of nonzero weight `w_d`, in the gradients' scale
+    (`factor` applies to it squared)."""
+    if not record.has("noise_pieces_norm"):
+        return
+    weight = ops.cast(weight, "float32")
+    counted = ops.logical_and(accept, weight > 0)
+    if pieces is None:
+        squared = piece_norm(record, gradients, factor)
+        term = squared / ops.where(counted, weight, 1.0)
+        count = ops.cast(counted, "int32")
+    else:
+        factor = 1.0 if factor is None else ops.cast(factor, "float32")
+        term = ops.cast(pieces[0], "float32") * factor * factor
+        count = ops.where(counted, ops.cast(pieces[1], "int32"), 0)
+    term = ops.where(counted, term, 0.0)
+    norm = record.get("noise_pieces_norm")
+    record.set("noise_pieces_norm", norm + ops.cast(term, norm.dtype))
+    record.add("noise_pieces", count)
+    samples = weight if samples is None else ops.cast(samples, "float32")
+    held = record.get("noise_samples")
+    record.set("noise_samples", held + ops.cast(ops.where(accept, samples, 0.0), held.dtype))
+
+
+def window_estimates(pieces_norm, pieces, samples, sums_norm, weight):
+    """One window's `(trace, gradient, counted)`: its estimates of tr(Sigma) (in
+    samples) and of |G|^2, and whether it counts (two pieces or more, a weight
+    above 0). `pieces_norm`: the sum of its pieces' `|w_p g_p|^2 / w_p`; `pieces`
+    their number; `samples` theirs; `sums_norm`: `|sum_p w_p g_p|^2`; `weight`: W.
+
+    Example (two pieces of 4 samples; their gradients 1 and 3, so the window's is 2):
+
+        >>> import numpy as np
+        >>> trace, gradient, counted = window_estimates(
+        ...     pieces_norm=(4 * 1) ** 2 / 4 + (4 * 3) ** 2 / 4, pieces=2, samples=8,
+        ...     sums_norm=(4 * 1 + 4 * 3) ** 2, weight=8)
+        >>> float(trace), float(gradient), bool(counted)
+        (8.0, 3.0, True)
+    """
+    weight = ops.cast(weight, "float32")
+    pieces = ops.cast(pieces, "float32")
+    counted = ops.logical_and(pieces >= 2, weight > 0)
+    safe_weight = ops.where(counted, weight, 1.0)
+    spare = ops.where(counted, pieces - 1.0, 1.0)
+    small = ops.cast(pieces_norm, "float32") / safe_weight            # x
+    large = ops.cast(sums_norm, "float32") / (safe_weight * safe_weight)  # |G_W|^2
+    trace = ops.cast(samples, "float32") * (small - large) / spare
+    gradient = (pieces * large - small) / spare
+    return (ops.where(counted, trace, 0.0), ops.where(counted, gradient, 0.0), counted)
+
+
+def window_closed(record, sums, weight) -> list:
+    """At an applied window's close, inside the update: its estimates added to the
+    readings' sums (`sums`: the window's summed gradients, `w_p g_p` summed over its
+    pieces; `weight`: its total weight W, across replicas). Nothing without the
+    record's noise fields. Returns `sums`."""
+    if not record.has("noise_pieces_norm"):
+        return sums
+    trace, gradient, counted = window_estimates(
+        record.get("noise_pieces_norm"), record.get("noise_pieces"),
+        record.get("noise_samples"),
+        squared_norm(overwrite.ordinary(sums, record.overwrites)), weight)
+    for name, value in (("noise_trace", trace), ("noise_gradient", gradient)):
+        held = record.get(name)
+        record.set(name, held + ops.cast(value, held.dtype))
+    record.add("noise_windows", ops.cast(counted, "int32"))
+    return sums
+
+
+def estimate(trace, gradient, windows) -> float:
+    """A reading: the noise scale B_simple in samples from the readings' sums (the
+    ratio of the windows' averages), NaN where no window counted or the estimate of
+    |G|^2 is not above 0 (the gradient is lost in its noise: more samples per
+    window are needed to see it).
+
+    Example:
+
+        >>> estimate(trace=900.0, gradient=3.0, windows=3)
+        300.0
+        >>> estimate(trace=900.0, gradient=-1.0, windows=3)
+        nan
+    """
+    trace, gradient = float(np.asarray(trace)), float(np.asarray(gradient))
+    if int(np.asarray(windows)) < 1 or not gradient > 0:
+        return math.nan
+    return trace / gradient
+
+
+@keras.saving.register_keras_serializable(package="gradaccum")
+class NoiseScaleSchedule:
+    """`steps` that follows the gradient noise scale: each window's length is
+    `k = clip(round(B_simple / micro_batch_size), min_steps, max_steps)`, from the
+    noise scale the windows measure (so `noise_scale=True` is implied).
+
+    k changes only where a window's length may change (when a window opens): with
+    `every="epoch"` (default) at an epoch's start, from the last epoch's estimate
+    (`fit`'s logs show the epoch's `noise_scale` and the `steps` it trained with);
+    with `every=N`, at every N-th update, from the estimate of the epoch's windows
+    so far. Where there is no estimate yet (the first epoch; an estimate of |G|^2
+    not above 0), k stays as it is. The learning rate is left as it is: see the
+    guide "Choosing k" for what the paper says of it as the batch grows.
+
+    Args:
+        micro_batch_size: the samples in each micro-batch (`fit`'s `batch_size`).
+        min_steps: the fewest micro-batches per window, >= 2 (a window of one
+            micro-batch on one device measures nothing).
+        max_steps: the most (None: no bound).
+        initial_steps: k until the first estimate (None: `min_steps`).
+        every: `"epoch"`, or an integer N >= 1 of updates.
+
+    Example (on any backend):
+
+        >>> import gradaccum
+        >>> schedule = gradaccum.NoiseScaleSchedule(micro_batch_size=32, max_steps=16)
+        >>> schedule.steps_for(300.0), schedule.steps_for(2000.0), schedule.steps_for(10.0)
+        (9, 16, 2)
+    """
+
+    def __init__(self, micro_batch_size: int, *, min_steps: int = 2,
+                 max_steps: int | None = None, initial_steps: int | None = None,
+                 every: int | str = "epoch") -> None:
+        self.micro_batch_size = _integer("micro_batch_size", micro_batch_size, 1)
+        self.min_steps = _integer("min_steps", min_steps, 2)
+        self.max_steps = (None if max_steps is None
+                          else _integer("max_steps", max_steps, self.min_steps))
+        self.initial_steps = (self.min_steps if initial_steps is None
+                              else _integer("initial_steps", initial_steps, 1))
+        if not (every == "epoch" or (_is_int(every) and int(every) >= 1)):
+            raise ValueError('`every` must be "epoch" or an integer >= 1 of updates. '
+                             f"Received: every={every!r}")
+        self.every = every if every == "epoch" else int(every)
+
+    def steps_for(self, estimate: float) -> int | None:
+        """The window length for a noise scale `estimate` in samples (None for NaN:
+        no estimate)."""
+        if not math.isfinite(estimate):
+            return None
+        steps = max(self.min_steps, round(estimate / self.micro_batch_size))
+        return steps if self.max_steps is None else min(steps, self.max_steps)
+
+    def get_config(self) -> dict:
+        return {"micro_batch_size": self.micro_batch_size, "min_steps": self.min_steps,
+                "max_steps": self.max_steps, "initial_steps": self.initial_steps,
+                "every": self.every}
+
+    @classmethod
+    def from_config(cls, config: dict) -> NoiseScaleSchedule:
+        return cls(**config)
+
+    def __repr__(self) -> str:
+        arguments = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
+        return f"NoiseScaleSchedule({arguments})"
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, NoiseScaleSchedule)
+                and other.get_config() == self.get_config())
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.get_config().items()))
+
+
+def _is_int(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, np.integer))
+
+
+def _integer(name: str, value, least: int) -> int:
+    if not _is_int(value) or int(value) < least:
+        raise ValueError(f"`{name}` must be an integer >= {least}. "
+                         f"Received: {name}={value!r}")
+    return int(value)
+
+
+def followed_length(schedule: NoiseScaleSchedule, record, opening):
+    """The open window's length under a `NoiseScaleSchedule` (an int32 tensor):
+    where the window is `opening`, the schedule's k (its `initial_steps` before any,
+    set anew here at every `every`-th update from the windows' estimate so far),
+    else the length the window opened with. Writes the schedule's k."""
+    held = ops.cast(record.get("noise_steps"), "int32")
+    held = ops.where(held < 1, schedule.initial_steps, held)
+    if schedule.every != "epoch":
+        updates = ops.cast(record.get("updates"), "int32")
+        trace = ops.cast(record.get("noise_trace"), "float32")
+        gradient = ops.cast(record.get("noise_gradient"), "float32")
+        due = (opening & (updates > 0) & (updates % schedule.every == 0)
+               & (record.get("noise_windows") > 0) & (gradient > 0))
+        estimate = trace / ops.where(gradient > 0, gradient, 1.0)
+        steps = ops.maximum(ops.round(estimate / schedule.micro_batch_size),
+                            schedule.min_steps)
+        if schedule.max_steps is not None:
+            steps = ops.minimum(steps, schedule.max_steps)
+        held = ops.where(due, ops.cast(steps, "int32"), held)
+    record.set("noise_steps", held)
+    return ops.where(opening, held, ops.cast(record.get("window_steps"), "int32"))
