@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import keras
 
+from gradaccum.core import noise_scale
+
 if TYPE_CHECKING:  # pragma: no cover
     from gradaccum.core.options import Options
     from gradaccum.core.transitions import Outcome
@@ -114,6 +116,11 @@ class Record:
     def all_finite(self, gradients):
         """Whether every element of every gradient is finite (a boolean tensor)."""
         raise NotImplementedError
+
+    def squared_norm(self, gradients):
+        """The squared norm of all of `gradients` together (the noise scale's
+        piece, `core.noise_scale`), a float32 scalar."""
+        return noise_scale.squared_norm(gradients)
 
     def fail(self, error, code: str, at, value=None) -> None:
         """`error` (a boolean tensor) says a micro-batch broke a rule (`ERRORS`'s

@@ -69,7 +69,7 @@ def piece_norm(record, gradients, factor):
     noise fields."""
     if not record.has("noise_pieces_norm"):
         return None
-    squared = squared_norm(overwrite.ordinary(gradients, record.overwrites))
+    squared = record.squared_norm(overwrite.ordinary(gradients, record.overwrites))
     if factor is None:
         return squared
     factor = ops.cast(factor, "float32")

@@ -30,6 +30,34 @@ def all_finite(gradients):
                    lambda: elementwise_finite(gradients))
 
 
+def squared_norm(gradients):
+    """The squared norm of all of `gradients` together, a float32 scalar. A sparse
+    gradient's rows of one index are added first (its dense form's norm), without
+    making the dense form."""
+    total = tf.constant(0.0)
+    for g in gradients:
+        if g is None:
+            continue
+        values = tf.cast(_values(g), tf.float32)
+        if isinstance(g, tf.IndexedSlices):
+            unique, position = tf.unique(g.indices)
+            values = tf.math.unsorted_segment_sum(values, position, tf.shape(unique)[0])
+        total += tf.reduce_sum(tf.square(values))
+    return total
+
+
+def finite_and_norm(gradients):
+    """`(all_finite, squared_norm)` in one pass: the squared norm's sum decides the
+    screen as `all_finite`'s sums do (not finite: an inf or a nan, or squares of
+    finite values that overflowed, which the element-wise check tells apart)."""
+    squared = squared_norm(gradients)
+    if not any(g is not None for g in gradients):
+        return tf.constant(True), squared
+    finite = tf.cond(tf.math.is_finite(squared), lambda: tf.constant(True),
+                     lambda: elementwise_finite(gradients))
+    return finite, squared
+
+
 def sums_finite(gradients):
     """Whether the sum of every gradient's elements is finite (a boolean scalar): True
     says every gradient is finite; False says one is not, or a float32 sum of finite

@@ -116,7 +116,19 @@ class VariableRecord(ModuleRecord):
         return [v.dtype for v in self.accumulator.target_variables]
 
     def all_finite(self, gradients):
-        return finite.all_finite(gradients)
+        if not self.has("noise_pieces_norm"):
+            return finite.all_finite(gradients)
+        # With the noise scale, its squared norm is the screen's pass too.
+        verdict, squared = finite.finite_and_norm(gradients)
+        self._screened = (list(gradients), squared)
+        return verdict
+
+    def squared_norm(self, gradients):
+        screened = getattr(self, "_screened", None)
+        if screened is not None and len(screened[0]) == len(gradients) and all(
+                a is b for a, b in zip(screened[0], gradients)):
+            return screened[1]
+        return finite.squared_norm(gradients)
 
     def add_sums(self, gradients, factor, accept) -> None:
         layers = self.accumulator.batch_normalization_layers
