@@ -482,3 +482,24 @@ class OwnStepMLP(keras.Model):
         grads = tape.gradient(scaled, self.trainable_variables)
         self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
         return {"loss": loss}
+
+
+def test_the_noise_scale_counts_each_replicas_share_as_a_piece():
+    # A linear model at fixed weights, its noise scale known (about 21 samples: see
+    # tests/contract/test_noise_scale.py): each replica's share of each micro-batch
+    # is a piece, at steps=4 (8 pieces of 8 per window) and at steps=1 (2 of 32):
+    # the estimate is one device's on the same pieces (micro-batches of 8, of 32).
+    sys.path.insert(0, str(pathlib.Path(__file__).parent / "contract"))
+    from test_noise_scale import linear, linear_data
+
+    x, y, weights, truth = linear_data(1.0, 64 * 128)
+    strategy = mirrored()
+    for steps, batch in ((4, 16), (1, 64)):
+        with strategy.scope():
+            model = linear(weights, steps=steps, noise_scale=True)
+        replicas = model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+        one = linear(weights, steps=steps * 2, noise_scale=True).fit(
+            x, y, batch_size=batch // 2, epochs=1, shuffle=False, verbose=0)
+        estimate = replicas.history["noise_scale"][0]
+        assert abs(estimate / truth - 1) < 0.15, (steps, estimate, truth)
+        np.testing.assert_allclose(estimate, one.history["noise_scale"][0], rtol=1e-4)

@@ -330,6 +330,43 @@ def hub_gap() -> dict:
     return found
 
 
+def noise_scales() -> dict:
+    """The noise scale of a linear model at fixed weights (its truth known: see
+    tests/contract/test_noise_scale.py), 128 windows of 4 micro-batches of 16, on one
+    device and under DataParallel with each `sums`; and at steps=1 and in split mode,
+    where each device's share is a piece."""
+    dim, rng = 10, np.random.default_rng(0)
+    w_star = rng.normal(size=(dim, 1)).astype("float32")
+    r = rng.normal(size=(dim, 1))
+    r = (r / np.linalg.norm(r)).astype("float32")
+    x = rng.normal(size=(4 * 16 * 128, dim)).astype("float32")
+    y = (x @ w_star + rng.normal(size=(len(x), 1))).astype("float32")
+
+    def estimate(options, distributed, batch_size=16):
+        keras.distribution.set_distribution(
+            distribution("data_parallel") if distributed else None)
+        try:
+            model = keras.Sequential([keras.Input((dim,)),
+                                      keras.layers.Dense(1, use_bias=False)])
+            model.layers[0].kernel.assign(w_star + r)
+            gradaccum.accumulate(model, noise_scale=True, **options)
+            model.compile(keras.optimizers.SGD(0.0), "mse")
+            history = model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False,
+                                verbose=0)
+        finally:
+            keras.distribution.set_distribution(None)
+        return history.history["noise_scale"][0]
+
+    return {
+        "truth": dim * 2.0 + 1.0,  # (d (|r|^2 + 1) + |r|^2) / |r|^2 at |r| = 1
+        "one_device": estimate({"steps": 4}, False),
+        **{sums: estimate({"steps": 4, "sums": sums}, True)
+           for sums in ("local", "sharded", "reduced")},
+        "steps_1": estimate({"steps": 1}, True, batch_size=64),
+        "split": estimate({"micro_batch_size": 16}, True, batch_size=64),
+    }
+
+
 def sharded_refusal() -> str:
     """sums="sharded" for a model whose sums cannot be kept per device."""
     def make():
@@ -383,6 +420,7 @@ def main():
         results["variants"] = variants()
         results["sharded_refusal"] = sharded_refusal()
         results["hub"] = hub_gap()
+        results["noise_scale"] = noise_scales()
     print(json.dumps(results))
 
 

@@ -167,6 +167,24 @@ def test_data_and_model_parallel_on_two_devices_equal_one_device(jobs):
     assert results["auto"]["size"] == 8
 
 
+def test_the_noise_scale_counts_each_devices_share_as_a_piece(jobs):
+    found = _results(jobs, 4)["noise_scale"]
+    # Each estimate within 15 % of the truth; per-device sums ("local", "sharded")
+    # read the same pieces (each device's share of each micro-batch, 16 per
+    # window), "reduced" the micro-batches (4), as one device does.
+    truth = found.pop("truth")
+    for name, estimate in found.items():
+        assert abs(estimate / truth - 1) < 0.15, (name, estimate, truth)
+    np.testing.assert_allclose(found["sharded"], found["local"], rtol=1e-4)
+    np.testing.assert_allclose(found["reduced"], found["one_device"], rtol=1e-4)
+    assert abs(found["local"] - found["one_device"]) > 1e-3 * truth
+    # A window of one micro-batch of 64 measures through its devices' shares of 16:
+    # one device's micro-batches of 16, exactly. Split mode's micro-batches of 16
+    # are cut in 4 shares each, as "local"'s are.
+    np.testing.assert_allclose(found["steps_1"], found["one_device"], rtol=1e-4)
+    np.testing.assert_allclose(found["split"], found["local"], rtol=1e-4)
+
+
 def test_data_and_model_parallel_on_four_devices_equal_one_device(jobs):
     results = _results(jobs, 4)
     _check(results, 4)

@@ -8,8 +8,9 @@ are unequal), `EPOCHS` passes over them, the window that is open at the end of a
 pass applied with `acc.apply`. A communication hook around DDP's `allreduce_hook`
 counts the all-reduces DDP makes itself. Modes, each on a fresh model and DDP:
 
-- `steps`: `GradientAccumulator(steps=STEPS)`, each micro-batch's forward and
-  backward inside `acc.no_sync(ddp)`, `acc.step(optimizer, grads, weight=len(x))`.
+- `steps`: `GradientAccumulator(steps=STEPS, noise_scale=True)`, each micro-batch's
+  forward and backward inside `acc.no_sync(ddp)`, `acc.step(optimizer, grads,
+  weight=len(x))`.
 - `sharded`: `steps` with `sums="sharded"` (each rank keeps half of the sums,
   reduce-scattered per micro-batch); its state saved in the middle of the first
   pass's second window and loaded into a new accumulator, which goes on.
@@ -95,10 +96,13 @@ def train(mode: str, rank: int) -> dict:
         variables = [*variables, marked]
         optimizer = keras.optimizers.Adam(LEARNING_RATE)
         optimizer.build(variables)
-    if mode in ("steps", "overwrite"):
+    if mode == "overwrite":
         acc = gradaccum.GradientAccumulator(variables, steps=STEPS)
+    elif mode == "steps":
+        acc = gradaccum.GradientAccumulator(variables, steps=STEPS, noise_scale=True)
     elif mode == "sharded":
-        acc = gradaccum.GradientAccumulator(variables, steps=STEPS, sums="sharded")
+        acc = gradaccum.GradientAccumulator(variables, steps=STEPS, sums="sharded",
+                                            noise_scale=True)
     elif mode == "budget":
         # The group given explicitly (the same as "auto" here).
         acc = gradaccum.GradientAccumulator(variables, weight_per_update=BUDGET,
@@ -144,7 +148,7 @@ def train(mode: str, rank: int) -> dict:
                     shard_sizes.append(int(saved["accumulator_shard"].numel()))
                     counts = (acc.all_reduces, acc.reduce_scatters, acc.all_gathers)
                     acc = gradaccum.GradientAccumulator(variables, steps=STEPS,
-                                                        sums="sharded")
+                                                        sums="sharded", noise_scale=True)
                     acc.load_state_dict(saved)
                     acc._reducer.all_reduces, acc._reducer.reduce_scatters, \
                         acc._reducer.all_gathers = counts
@@ -176,6 +180,7 @@ def train(mode: str, rank: int) -> dict:
         "all_gathers": 0 if acc is None else acc.all_gathers,
         "shard_size": shard_sizes[0] if shard_sizes else None,
         "mid_window": mid,
+        "noise_scale": acc.noise_scale if mode in ("steps", "sharded") else None,
         **{f"per_update_{k}": v for k, v in log.items()},
     }
 

@@ -179,6 +179,30 @@ def test_no_sync_steps_trains_as_one_process_on_the_global_windows(ranks):
             float(sum(map(len, w))) for w in windows]
 
 
+def test_the_noise_scale_counts_each_ranks_share_as_a_piece(ranks):
+    # One process fed each rank's micro-batch as a piece of its own, window by
+    # window: the same pieces and the same sums give the same noise scale.
+    model = mlp(0)
+    optimizer = keras.optimizers.Adam(LEARNING_RATE)
+    variables = model.trainable_weights
+    optimizer.build(variables)
+    acc = gradaccum.GradientAccumulator(variables, steps=100, noise_scale=True)
+    x, y = data(sum(map(sum, SIZES)))
+    for window in _windows(_by_steps()):
+        for index in window:
+            loss = SCE(torch.as_tensor(y[index]),
+                       model(torch.as_tensor(x[index]), training=True))
+            model.zero_grad()
+            loss.backward()
+            acc.accumulate([v.value.grad for v in variables], weight=len(index))
+        acc.apply(optimizer)
+    expected = acc.noise_scale
+    assert np.isfinite(expected)
+    for r in ranks:
+        for mode in ("steps", "sharded"):
+            np.testing.assert_allclose(r[mode]["noise_scale"], expected, rtol=1e-4)
+
+
 def test_sharded_sums_train_as_one_process_with_half_of_the_sums_each(ranks):
     # sums="sharded": each rank holds half of the MLP's sums (flattened, float32),
     # receives its half of both ranks' gradients per micro-batch (one

@@ -89,6 +89,10 @@ class GradientAccumulator(Packed, Accumulator):
             it is, or `"raise"`s: eagerly at once, inside `jax.jit` (where nothing
             can raise) skipped and recorded, raised by `check`. Or a callable
             `gradients -> bool` (True skips the micro-batch).
+        noise_scale: `True`: the accumulator estimates the gradient noise scale
+            from each window it applies (its micro-batches' gradients against the
+            window's), read by its `noise_scale` property (`reset_noise_scale`
+            starts a new reading), in the unit of the weights given.
         name: the name scope of the state's variables.
 
     Raises:

@@ -125,6 +125,10 @@ class GradientAccumulator(tf.Module, StatefulAccumulator):
             `gradaccum.BatchNormalization` layers this accumulator drives: their
             moving statistics are updated once per update, from the window's pooled
             statistics. Create the accumulator before the training step is traced.
+        noise_scale: `True`: the accumulator estimates the gradient noise scale
+            from each window it applies (its micro-batches' gradients against the
+            window's), read by its `noise_scale` property (`reset_noise_scale`
+            starts a new reading), in the unit of the weights given.
         name: name scope of the accumulator's variables.
 
     Raises:

@@ -131,7 +131,7 @@ class ReplicaRecord(VariableRecord):
         noise = [getattr(state, name) for name in PIECES if self.has(name)]
         reduced = dist.reduce_window(
             strategy, [*state.accumulators, state.total_weight, state.received,
-                       *[tf.cast(value, state.total_weight.dtype) for value in noise],
+                       *noise,
                        *window]
         )
         sums, (total_weight, received) = reduced[:n], reduced[n:n + 2]

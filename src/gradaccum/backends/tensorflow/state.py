@@ -108,7 +108,10 @@ class AccumulatorState(tf.Module):
                 # the readings' sums are written once per window, alike everywhere.
                 for field in NOISE:
                     kind = SUMMED if field.reset else COUNTED
-                    dtype = tf.int64 if field.kind == "count" else weight_dtype
+                    # (The open window's count in the weights' float: it travels
+                    # in the window's one reduction with them.)
+                    dtype = (tf.int64 if field.kind == "count" and not field.reset
+                             else weight_dtype)
                     setattr(self, field.name, tf.Variable(
                         tf.zeros([], dtype), name=field.name, **kind))
 

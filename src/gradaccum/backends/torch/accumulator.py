@@ -98,6 +98,11 @@ class GradientAccumulator(StatefulAccumulator):
             and gathered when the window closes (one all-gather). `state_dict` then
             holds this process's shard (`accumulator_shard`), restored by a job of
             as many processes. One process: the two are the same.
+        noise_scale: `True`: the accumulator estimates the gradient noise scale
+            from each window it applies (its micro-batches' gradients against the
+            window's; each process's share is a piece), read by its `noise_scale`
+            property (`reset_noise_scale` starts a new reading), in the unit of the
+            weights given.
         name: the name scope of the state's variables.
 
     Raises:
