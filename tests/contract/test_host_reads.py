@@ -78,7 +78,7 @@ def _jax_reads(monkeypatch):
 
 
 @pytest.mark.skipif(keras.backend.backend() != "jax", reason="counts JAX's arrays")
-@pytest.mark.parametrize("options", [{}, {"nonfinite": "raise"}])
+@pytest.mark.parametrize("options", [{}, {"nonfinite": "raise"}, {"noise_scale": True}])
 def test_the_fits_thread_reads_no_more_per_epoch_with_more_micro_batches(monkeypatch,
                                                                          options):
     # An epoch of 4 calls and one of 16 (12 and 48 micro-batches, windows of 3): the
