@@ -308,3 +308,21 @@ def test_the_estimators_on_a_window_of_known_pieces():
     assert bool(counted)
     *_, counted = noise_scale.window_estimates(4.0, 1, 4, 4.0, 4)
     assert not bool(counted)
+
+
+def test_an_accumulators_schedule_sets_k_every_n_updates():
+    x, y, weights, _ = linear_data(1.0, 4 * 80, seed=8)
+    model = keras.Sequential([keras.Input((D,)), keras.layers.Dense(1, use_bias=False)])
+    model.layers[0].kernel.assign(weights)
+    optimizer = keras.optimizers.SGD(0.0)
+    optimizer.build(model.trainable_variables)
+    schedule = gradaccum.NoiseScaleSchedule(micro_batch_size=4, every=4, max_steps=8)
+    acc = gradaccum.GradientAccumulator(model.trainable_variables, steps=schedule)
+    _custom_loop(model, optimizer, acc, x, y, 4)
+    # Four windows of 2, then windows of about round(21 / 4) = 5.
+    assert 4 + 72 // 7 <= int(acc.updates.numpy()) <= 4 + 72 // 3
+    assert np.isfinite(acc.noise_scale)
+    with pytest.raises(ValueError, match=r"must set k every N updates: a custom loop "
+                                         r"has no epochs.*Received: every='epoch'"):
+        gradaccum.GradientAccumulator(model.trainable_variables,
+                                      steps=gradaccum.NoiseScaleSchedule(4))

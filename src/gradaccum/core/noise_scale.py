@@ -246,6 +246,21 @@ class NoiseScaleSchedule:
         return hash(tuple(self.get_config().items()))
 
 
+def accumulator_noise(noise_scale: bool, rule) -> bool:
+    """Whether a `GradientAccumulator` keeps the noise scale: `noise_scale`, or a
+    `NoiseScaleSchedule` as its `steps` (which needs it). A custom loop has no
+    epochs: its schedule must set k every N updates."""
+    schedule = rule.steps
+    if not isinstance(schedule, NoiseScaleSchedule):
+        return noise_scale
+    if schedule.every == "epoch":
+        raise ValueError(
+            "A GradientAccumulator's NoiseScaleSchedule must set k every N updates: a "
+            "custom loop has no epochs (or read `noise_scale` and make a new "
+            "accumulator yourself). Received: every='epoch'; pass every=N.")
+    return True
+
+
 def _is_int(value) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, np.integer))
 

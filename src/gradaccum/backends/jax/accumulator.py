@@ -26,6 +26,7 @@ from gradaccum.core import transitions as tr
 from gradaccum.core.accumulator import Accumulator
 from gradaccum.core.combine import REDUCTIONS
 from gradaccum.core.hints import DType, Nonfinite, Real, Steps
+from gradaccum.core.noise_scale import accumulator_noise
 from gradaccum.core.policy import Policy
 from gradaccum.core.state import ERROR_FIELDS, FIT, WINDOW, accumulator_name, fields
 from gradaccum.core.validation import (
@@ -150,7 +151,8 @@ class GradientAccumulator(Packed, Accumulator):
         self.target_variables = tuple(variables)
         weight_dtype = "float64" if self.accumulator_dtype == "float64" else "float32"
         # `received`: a gradient may be missing in some micro-batches only.
-        noise = check_noise_scale(noise_scale, self.reduction)
+        noise = check_noise_scale(accumulator_noise(noise_scale, self._rule),
+                                  self.reduction)
         declared = [(field.name, field) for field in fields(WINDOW, noise=noise)]
         declared += [(field.name, field) for field in FIT if field.name in ERROR_FIELDS]
         initial = self.layout(declared, 0, weight_dtype, variables=len(variables))

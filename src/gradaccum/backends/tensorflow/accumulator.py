@@ -37,6 +37,7 @@ from gradaccum.core import transitions as tr  # noqa: E402
 from gradaccum.core.accumulator import StatefulAccumulator  # noqa: E402
 from gradaccum.core.combine import REDUCTIONS, combine  # noqa: E402
 from gradaccum.core.hints import DType, Nonfinite, Real, Steps  # noqa: E402
+from gradaccum.core.noise_scale import accumulator_noise  # noqa: E402
 from gradaccum.core.policy import Policy  # noqa: E402
 from gradaccum.core.screening import warn_skipped  # noqa: E402
 from gradaccum.core.validation import (  # noqa: E402
@@ -217,9 +218,9 @@ class GradientAccumulator(tf.Module, StatefulAccumulator):
             layer._accumulated = True
         self._batch_norms = Untracked(tuple(batch_norms))
         with tf.name_scope(name):
+            noise = accumulator_noise(noise_scale, self._rule)
             self.state = AccumulatorState(variables, self._accumulator_dtype, strategy,
-                                          noise=check_noise_scale(noise_scale,
-                                                                  self._reduction))
+                                          noise=check_noise_scale(noise, self._reduction))
 
     # Read-only views -------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from gradaccum.core import transitions as tr
 from gradaccum.core.accumulator import StatefulAccumulator
 from gradaccum.core.combine import REDUCTIONS, combine
 from gradaccum.core.hints import DType, Nonfinite, Real, Steps
+from gradaccum.core.noise_scale import accumulator_noise
 from gradaccum.core.policy import Policy
 from gradaccum.core.screening import warn_skipped
 from gradaccum.core.validation import (
@@ -159,7 +160,8 @@ class GradientAccumulator(StatefulAccumulator):
         self.state = TorchState(
             variables, self.accumulator_dtype, fit=False, name=name,
             shard_size=None if self._sharded is None else self._sharded.shard_size,
-            noise=check_noise_scale(noise_scale, self.reduction))
+            noise=check_noise_scale(accumulator_noise(noise_scale, self._rule),
+                                    self.reduction))
         self._warned_skip = False
         self._scaling = None
 
