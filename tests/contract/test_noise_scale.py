@@ -326,3 +326,39 @@ def test_an_accumulators_schedule_sets_k_every_n_updates():
                                          r"has no epochs.*Received: every='epoch'"):
         gradaccum.GradientAccumulator(model.trainable_variables,
                                       steps=gradaccum.NoiseScaleSchedule(4))
+
+
+def reference_estimate(x, y, weights, steps, size, skipped=()):
+    """The noise scale of windows of `steps` micro-batches of `size` samples of
+    the linear model at `weights` (micro-batches in `skipped` are no piece of
+    their window), in NumPy: each micro-batch's mean gradient against the
+    window's, the estimators of `gradaccum.core.noise_scale`."""
+    x, y, w = (np.asarray(a, "float64") for a in (x, y, weights))
+    trace = gradient = 0.0
+    count = len(x) // size
+    for start in range(0, count, steps):
+        pieces = [i for i in range(start, min(start + steps, count)) if i not in skipped]
+        grads = [2 * x[i * size:(i + 1) * size].T
+                 @ (x[i * size:(i + 1) * size] @ w - y[i * size:(i + 1) * size]) / size
+                 for i in pieces]
+        m, total = len(grads), size * len(grads)
+        if m < 2:
+            continue
+        small = np.mean([float(np.sum(g**2)) for g in grads])
+        large = float(np.sum(np.mean(grads, axis=0) ** 2))
+        trace += total * (small - large) / (m - 1)
+        gradient += (m * large - small) / (m - 1)
+    return trace / gradient
+
+
+def test_a_skipped_micro_batch_is_no_piece_of_its_window():
+    # Micro-batch 5 holds a nan: skipped, its window (micro-batches 4 to 7) holds
+    # three pieces. The estimate is NumPy's on the same pieces.
+    x, y, weights, _ = linear_data(1.0, 8 * 4 * 6, seed=9)
+    poisoned = x.copy()
+    poisoned[40:48] = np.nan
+    history = linear(weights, steps=4, noise_scale=True).fit(
+        poisoned, y, batch_size=8, epochs=1, shuffle=False, verbose=0).history
+    assert history["skipped"] == [1.0]
+    expected = reference_estimate(x, y, weights, 4, 8, skipped={5})
+    np.testing.assert_allclose(history["noise_scale"][0], expected, rtol=1e-4)

@@ -81,8 +81,7 @@ def add_piece(record, gradients, factor, weight, accept, samples=None,
     """Counts a micro-batch as one piece of the open window: its `gradients` times
     `factor` (None: 1) are what the sums take of it, `w_p g_p`; `weight` its `w_p`,
     `samples` its samples (None: its weight). An accepted piece of nonzero weight
-    counts; its samples count where it is accepted. Nothing without the record's
-    noise fields.
+    counts, with its samples. Nothing without the record's noise fields.
 
     `pieces`: where the step cut the micro-batch itself (each device's share under
     a keras.distribution: `gradients` are then the devices' rows), `(sum_d |g_d|^2
@@ -106,7 +105,7 @@ def add_piece(record, gradients, factor, weight, accept, samples=None,
     record.add("noise_pieces", count)
     samples = weight if samples is None else ops.cast(samples, "float32")
     held = record.get("noise_samples")
-    record.set("noise_samples", held + ops.cast(ops.where(accept, samples, 0.0), held.dtype))
+    record.set("noise_samples", held + ops.cast(ops.where(counted, samples, 0.0), held.dtype))
 
 
 def window_estimates(pieces_norm, pieces, samples, sums_norm, weight):

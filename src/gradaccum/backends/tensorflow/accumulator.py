@@ -218,7 +218,9 @@ class GradientAccumulator(tf.Module, StatefulAccumulator):
             layer._accumulated = True
         self._batch_norms = Untracked(tuple(batch_norms))
         with tf.name_scope(name):
-            noise = accumulator_noise(noise_scale, self._rule)
+            # (The fit integration passes its checked rule: its epochs set k.)
+            noise = (noise_scale if isinstance(steps, WindowRule)
+                     else accumulator_noise(noise_scale, self._rule))
             self.state = AccumulatorState(variables, self._accumulator_dtype, strategy,
                                           noise=check_noise_scale(noise, self._reduction))
 

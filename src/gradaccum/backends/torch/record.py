@@ -86,6 +86,26 @@ def all_finite(gradients):
     return torch.tensor(all(bool(torch.isfinite(g).all()) for g in present))
 
 
+def squared_norm(gradients):
+    """The squared norm of all of `gradients` together (float32): one fused
+    multi-tensor reduction."""
+    present = [g.detach().float() for g in gradients if g is not None]
+    if not present:
+        return torch.tensor(0.0)
+    return torch.stack(torch._foreach_norm(present, ord=2)).square().sum()
+
+
+def finite_and_norm(gradients):
+    """`(all_finite, squared_norm)` from one reduction: the squared norm decides the
+    screen as `all_finite`'s L1 norms do (not finite: an inf or a nan, or norms of
+    finite values that overflowed, which the element-wise check tells apart)."""
+    squared = squared_norm(gradients)
+    if bool(torch.isfinite(squared)):
+        return torch.tensor(True), squared
+    present = [g.detach() for g in gradients if g is not None]
+    return torch.tensor(all(bool(torch.isfinite(g).all()) for g in present)), squared
+
+
 class FieldRecord(Record):
     """A record whose fields are a `TorchState`'s variables (`prefix` + name).
 
@@ -315,7 +335,19 @@ class WindowRecord(FieldRecord):
             type(optimizer).apply(optimizer, [g for g, _ in pairs], [v for _, v in pairs])
 
     def all_finite(self, gradients):
-        return all_finite(gradients)
+        if not self.has("noise_pieces_norm"):
+            return all_finite(gradients)
+        # With the noise scale, its squared norm is the screen's reduction too.
+        verdict, squared = finite_and_norm(gradients)
+        self._screened = (list(gradients), squared)
+        return verdict
+
+    def squared_norm(self, gradients):
+        screened = getattr(self, "_screened", None)
+        if screened is not None and len(screened[0]) == len(gradients) and all(
+                a is b for a, b in zip(screened[0], gradients)):
+            return screened[1]
+        return squared_norm(gradients)
 
     def noised(self, sums) -> list:
         return sums if self.noise is None else self.noise(self, sums)
