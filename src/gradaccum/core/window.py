@@ -72,11 +72,10 @@ class WindowRule:
     def __init__(self, steps=None, weight_per_update=None,
                  runner: ScheduleRunner | None = None):
         if isinstance(steps, NoiseScaleSchedule):
-            # k follows the windows' noise scale (`core.noise_scale`).
-            self.steps, self.weight_per_update = steps, check_window_rule(
-                None, weight_per_update)[1]
+            # k follows the windows' noise scale (`core.noise_scale`): no budget.
             if weight_per_update is not None:
-                check_window_rule(1, weight_per_update)
+                check_window_rule(steps, weight_per_update)  # raises: not both
+            self.steps, self.weight_per_update = steps, None
         else:
             self.steps, self.weight_per_update = check_window_rule(steps,
                                                                    weight_per_update)
