@@ -302,6 +302,11 @@ class Adapter(abc.ABC):
 
     # Logs, the audit and privacy -----------------------------------------------------
 
+    def logged_prefix(self) -> str:
+        """The prefix, in `saved_variables`, of the window record whose counters
+        the logs report (the updating optimizer's; "" for Keras's default step)."""
+        return ""
+
     @abc.abstractmethod
     def last_window(self) -> tuple:
         """`(iterations, micro_batches, weight)` of the window the logs report: the

@@ -79,8 +79,10 @@ class EpochHook(keras.callbacks.Callback):
         self._field("resume_skip").assign(skip)
         epoch_step.assign(0)
         self.first_epoch = False
-        # The epoch's noise scale reads its own windows.
-        reset_noise(self.accumulation)
+        # The epoch's noise scale reads its own windows (a restored position inside
+        # the epoch goes on with the windows it read before).
+        if not skip:
+            reset_noise(self.accumulation)
         self.accumulation.epoch_began(self, skip)
 
     def on_train_batch_begin(self, batch, logs=None):
@@ -111,22 +113,25 @@ class EpochHook(keras.callbacks.Callback):
 
 
 def noise_fields(accumulation) -> dict:
-    """The noise scale's readings' sums (`core.noise_scale.TOTALS`) of the window
-    record the logs report, by name (each `numpy()`, `assign`); empty without
-    `noise_scale` or before the state is made."""
+    """The noise scale's fields (`core.noise_scale.FIELDS`) of the window record
+    the logs report (the updating optimizer's), by name (each `numpy()`,
+    `assign`); empty without `noise_scale` or before that record is made."""
     if not accumulation.options.noise_scale or accumulation.state is None:
         return {}
     named = accumulation.saved_variables()
-    for prefix in ("", "own_0_"):
-        if prefix + "noise_trace" in named:
-            return {name: named[prefix + name] for name in noise_scale.FIELDS}
-    return {}
+    prefix = accumulation.logged_prefix()
+    if prefix + "noise_trace" not in named:
+        return {}
+    return {name: named[prefix + name] for name in noise_scale.FIELDS}
 
 
 def reset_noise(accumulation) -> None:
-    """A new reading of the noise scale starts (the epoch's start)."""
-    for name, variable in noise_fields(accumulation).items():
-        if name in noise_scale.TOTALS:
+    """A new reading of the noise scale starts (the epoch's start), in every
+    window record (each optimizer's of a model's own step)."""
+    if not accumulation.options.noise_scale or accumulation.state is None:
+        return
+    for name, variable in accumulation.saved_variables().items():
+        if name.endswith(noise_scale.TOTALS):
             variable.assign(np.zeros_like(variable.numpy()))
 
 

@@ -285,8 +285,11 @@ def test_bad_options_are_refused_with_the_fix(options, message):
      r"`min_steps` must be an integer >= 2\. Received: min_steps=1"),
     ({"micro_batch_size": 8, "min_steps": 4, "max_steps": 3},
      r"`max_steps` must be an integer >= 4\. Received: max_steps=3"),
-    ({"micro_batch_size": 8, "initial_steps": 0},
-     r"`initial_steps` must be an integer >= 1\. Received: initial_steps=0"),
+    ({"micro_batch_size": 8, "initial_steps": 1},
+     r"`initial_steps` must be an integer >= 2\. Received: initial_steps=1"),
+    ({"micro_batch_size": 8, "max_steps": 4, "initial_steps": 5},
+     r"`initial_steps` must be at most `max_steps`\. Received: initial_steps=5, "
+     r"max_steps=4"),
     ({"micro_batch_size": 8, "every": 0},
      r'`every` must be "epoch" or an integer >= 1 of updates\. Received: every=0'),
     ({"micro_batch_size": 8, "every": "week"},
@@ -298,16 +301,37 @@ def test_a_schedules_bad_arguments_are_refused(arguments, message):
 
 
 def test_the_estimators_on_a_window_of_known_pieces():
-    # Two pieces of weight 2 and 6 with gradients (1, 0) and (0, 1): the window's
-    # x = (2 * 1 + 6 * 1) / 8 = 1 and |G_W|^2 = (2/8)^2 + (6/8)^2 = 0.625.
+    # Two pieces of 2 and 6 samples, weighing their samples, with gradients (1, 0)
+    # and (0, 1): x = (2 * 1 + 6 * 1) / 8 = 1, |G_W|^2 = (2/8)^2 + (6/8)^2 = 0.625,
+    # a = 2 / 8, c = 8 / 64: tr(Sigma) = (1 - 0.625) / (a - c), and
+    # |G|^2 = (a 0.625 - c) / (a - c).
     trace, gradient, counted = noise_scale.window_estimates(
-        pieces_norm=2 * 1 + 6 * 1, pieces=2, samples=8,
-        sums_norm=2**2 + 6**2, weight=8)
+        pieces_norm=2 * 1 + 6 * 1, spread=2.0, spread_squared=8.0, pieces=2,
+        pieces_weight=8, sums_norm=2**2 + 6**2, weight=8)
     np.testing.assert_allclose([float(trace), float(gradient)],
-                               [8 * (1 - 0.625), 2 * 0.625 - 1], rtol=1e-6)
+                               [0.375 / 0.125, (0.25 * 0.625 - 0.125) / 0.125],
+                               rtol=1e-6)
     assert bool(counted)
-    *_, counted = noise_scale.window_estimates(4.0, 1, 4, 4.0, 4)
-    assert not bool(counted)
+    # One piece, or pieces that hold less than the window's weight, do not count.
+    assert not bool(noise_scale.window_estimates(4.0, 1.0, 4.0, 1, 4, 4.0, 4)[2])
+    assert not bool(noise_scale.window_estimates(8.0, 2.0, 8.0, 2, 8, 40.0, 12)[2])
+
+
+def test_uniform_weights_over_unequal_micro_batches_count_their_samples():
+    # weighting="uniform": each micro-batch weighs 1 whatever its size (4, 8, 12);
+    # its gradient's noise is its samples'.
+    x, y, weights, truth = linear_data(1.0, 24 * 400, seed=10)
+
+    def batches():
+        start = 0
+        while start < len(x):
+            for size in (4, 8, 12):
+                yield x[start:start + size], y[start:start + size]
+                start += size
+
+    model = linear(weights, steps=3, noise_scale=True, weighting="uniform")
+    estimate = model.fit(batches(), epochs=1, verbose=0).history["noise_scale"][0]
+    assert abs(estimate / truth - 1) < 0.15, (estimate, truth)
 
 
 def test_an_accumulators_schedule_sets_k_every_n_updates():

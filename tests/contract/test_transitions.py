@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gradaccum.backend_interface import Record
-from gradaccum.core import loss_scaling, messages
+from gradaccum.core import loss_scaling, messages, noise_scale
 from gradaccum.core import state as declared
 from gradaccum.core import transitions as tr
 from gradaccum.core.policy import Policy
@@ -315,6 +315,5 @@ def test_the_fields_are_declared_once_with_the_names_checkpoints_keep():
     assert len(set(names)) == len(names)
     assert set(declared.RESET) == {"total_weight", "micro_step", "window_skipped",
                                    "received", *declared.NOISE_PIECES}
-    assert set(declared.NOISE_PIECES) == {"noise_pieces_norm", "noise_pieces",
-                                          "noise_samples"}
+    assert declared.NOISE_PIECES == noise_scale.PIECES
     assert declared.accumulator_name(3) == "accumulator_3"

@@ -11,22 +11,26 @@ samples. Their Appendix A.1 estimates both terms from gradient norms at two batc
 sizes. A window has those two sizes for free: its micro-batches and the window.
 
 A window of pieces `p` (its accepted micro-batches; under several replicas or
-devices, each one's share of them), each of weight `w_p` (its loss normalizer:
-samples, or tokens) and mean gradient `g_p`, combines into `G_W = sum_p w_p g_p / W`
-with `W = sum_p w_p`. For independent samples `E|g_p|^2 = |G|^2 + S / w_p` and
-`E|G_W|^2 = |G|^2 + S / W` (`S = tr(Sigma)` per unit of weight). With `m` pieces and
-`x = sum_p w_p |g_p|^2 / W` (so `E x = |G|^2 + m S / W`), the unbiased estimators
-are
+devices, each one's share of them), each of `n_p` samples, weight `w_p` (its loss
+normalizer: samples, tokens; 1 under `weighting="uniform"`) and mean gradient `g_p`,
+combines into `G_W = sum_p w_p g_p / W` with `W = sum_p w_p`. For independent
+samples `E|g_p|^2 = |G|^2 + S / n_p` (`S = tr(Sigma)`, per sample), so with
+`x = sum_p w_p |g_p|^2 / W`, `a = sum_p w_p / n_p / W` and `c = sum_p w_p^2 / n_p /
+W^2`:
 
-    |G|^2 ~ (m |G_W|^2 - x) / (m - 1)
-    S     ~ W (x - |G_W|^2) / (m - 1)
+    E x = |G|^2 + a S,    E|G_W|^2 = |G|^2 + c S
 
-A window needs two pieces or more. `S` is turned from units of weight into samples
-by the window's samples per unit of weight (`N / W`: 1 for a loss with one term per
-sample; the sequence length's inverse for a per-token loss), so the noise scale is
-in samples, the unit of a batch size. A reading is the ratio of the windows' sums
-of the two estimates (the ratio of their averages, the paper's practice: a ratio
-per window is noisy and biased).
+and the unbiased estimators are
+
+    S     ~ (x - |G_W|^2) / (a - c)
+    |G|^2 ~ (a |G_W|^2 - c x) / (a - c)
+
+(with `w_p = n_p`, the paper's two batch sizes `W / m` and `W` for `m` pieces).
+A window needs two pieces of weight or more (then `a > c`). `S` is per sample, so
+the noise scale is in samples, the unit of a batch size; where the weights are
+tokens, tokens of one sequence count as one sample (they are not independent). A
+reading is the ratio of the windows' sums of the two estimates (the ratio of their
+averages, the paper's practice: a ratio per window is noisy and biased).
 
 The step adds each piece's `|w_p g_p|^2 / w_p` (`add_piece`: one squared norm per
 micro-batch) and, at the close, one squared norm of the sums (`window_closed`). All
@@ -44,6 +48,15 @@ import numpy as np
 from gradaccum.core import overwrite
 
 ops = keras.ops
+
+# The largest k a `NoiseScaleSchedule` sets without a `max_steps` (an estimate of
+# |G|^2 near 0 reads as a noise scale without bound).
+LARGEST_STEPS = 1 << 20
+
+# The record's fields for the open window's pieces (`add_piece`), in the order
+# `window_estimates` takes them.
+PIECES = ("noise_pieces_norm", "noise_spread", "noise_spread_squared", "noise_pieces",
+          "noise_pieces_weight")
 
 # The record's fields for the readings' sums (`core.state.NOISE`), and with a
 # `NoiseScaleSchedule` the window length it set.
@@ -80,58 +93,65 @@ def add_piece(record, gradients, factor, weight, accept, samples=None,
               pieces=None) -> None:
     """Counts a micro-batch as one piece of the open window: its `gradients` times
     `factor` (None: 1) are what the sums take of it, `w_p g_p`; `weight` its `w_p`,
-    `samples` its samples (None: its weight). An accepted piece of nonzero weight
-    counts, with its samples. Nothing without the record's noise fields.
+    `samples` its `n_p` (None: its weight). An accepted piece of nonzero weight
+    counts. Nothing without the record's noise fields.
 
     `pieces`: where the step cut the micro-batch itself (each device's share under
-    a keras.distribution: `gradients` are then the devices' rows), `(sum_d |g_d|^2
-    / w_d, count)` over its pieces of nonzero weight `w_d`, in the gradients' scale
-    (`factor` applies to it squared)."""
+    a keras.distribution: `gradients` are then the devices' rows), the sums over its
+    pieces `d` of nonzero weight of `(|g_d|^2 / w_d, w_d / n_d, w_d^2 / n_d, 1,
+    w_d)`, in the gradients' scale (`factor` applies to the first squared)."""
     if not record.has("noise_pieces_norm"):
         return
     weight = ops.cast(weight, "float32")
     counted = ops.logical_and(accept, weight > 0)
     if pieces is None:
-        squared = piece_norm(record, gradients, factor)
-        term = squared / ops.where(counted, weight, 1.0)
-        count = ops.cast(counted, "int32")
+        safe = ops.where(counted, weight, 1.0)
+        samples = safe if samples is None else ops.cast(samples, "float32")
+        samples = ops.where(samples > 0, samples, 1.0)
+        terms = [piece_norm(record, gradients, factor) / safe, safe / samples,
+                 safe * safe / samples, 1.0, safe]
     else:
         factor = 1.0 if factor is None else ops.cast(factor, "float32")
-        term = ops.cast(pieces[0], "float32") * factor * factor
-        count = ops.where(counted, ops.cast(pieces[1], "int32"), 0)
-    term = ops.where(counted, term, 0.0)
-    norm = record.get("noise_pieces_norm")
-    record.set("noise_pieces_norm", norm + ops.cast(term, norm.dtype))
-    record.add("noise_pieces", count)
-    samples = weight if samples is None else ops.cast(samples, "float32")
-    held = record.get("noise_samples")
-    record.set("noise_samples", held + ops.cast(ops.where(counted, samples, 0.0), held.dtype))
+        terms = [ops.cast(value, "float32") for value in pieces]
+        terms[0] = terms[0] * factor * factor
+    for name, term in zip(PIECES, terms):
+        held = record.get(name)
+        record.set(name, held + ops.cast(ops.where(counted, term, 0.0), held.dtype))
 
 
-def window_estimates(pieces_norm, pieces, samples, sums_norm, weight):
-    """One window's `(trace, gradient, counted)`: its estimates of tr(Sigma) (in
-    samples) and of |G|^2, and whether it counts (two pieces or more, a weight
-    above 0). `pieces_norm`: the sum of its pieces' `|w_p g_p|^2 / w_p`; `pieces`
-    their number; `samples` theirs; `sums_norm`: `|sum_p w_p g_p|^2`; `weight`: W.
+def window_estimates(pieces_norm, spread, spread_squared, pieces, pieces_weight,
+                     sums_norm, weight):
+    """One window's `(trace, gradient, counted)`: its estimates of tr(Sigma) (per
+    sample) and of |G|^2, and whether it counts (two pieces of weight or more, and
+    every micro-batch the sums hold among them). The sums over its pieces of
+    `|w_p g_p|^2 / w_p` (`pieces_norm`), `w_p / n_p` (`spread`), `w_p^2 / n_p`
+    (`spread_squared`), 1 (`pieces`) and `w_p` (`pieces_weight`); `sums_norm`:
+    `|sum_p w_p g_p|^2`; `weight`: W.
 
     Example (two pieces of 4 samples; their gradients 1 and 3, so the window's is 2):
 
         >>> import numpy as np
         >>> trace, gradient, counted = window_estimates(
-        ...     pieces_norm=(4 * 1) ** 2 / 4 + (4 * 3) ** 2 / 4, pieces=2, samples=8,
+        ...     pieces_norm=(4 * 1) ** 2 / 4 + (4 * 3) ** 2 / 4, spread=2.0,
+        ...     spread_squared=8.0, pieces=2, pieces_weight=8,
         ...     sums_norm=(4 * 1 + 4 * 3) ** 2, weight=8)
         >>> float(trace), float(gradient), bool(counted)
         (8.0, 3.0, True)
     """
     weight = ops.cast(weight, "float32")
-    pieces = ops.cast(pieces, "float32")
-    counted = ops.logical_and(pieces >= 2, weight > 0)
-    safe_weight = ops.where(counted, weight, 1.0)
-    spare = ops.where(counted, pieces - 1.0, 1.0)
-    small = ops.cast(pieces_norm, "float32") / safe_weight            # x
-    large = ops.cast(sums_norm, "float32") / (safe_weight * safe_weight)  # |G_W|^2
-    trace = ops.cast(samples, "float32") * (small - large) / spare
-    gradient = (pieces * large - small) / spare
+    pieces_weight = ops.cast(pieces_weight, "float32")
+    safe = ops.where(weight > 0, weight, 1.0)
+    small = ops.cast(pieces_norm, "float32") / safe                    # x
+    large = ops.cast(sums_norm, "float32") / (safe * safe)            # |G_W|^2
+    a = ops.cast(spread, "float32") / safe
+    c = ops.cast(spread_squared, "float32") / (safe * safe)
+    # (A window whose first micro-batches were added before the noise scale was
+    # kept, a restored one, holds more weight than its pieces: it does not count.)
+    counted = ((ops.cast(pieces, "float32") >= 2) & (weight > 0) & (a > c * (1 + 1e-6))
+               & (ops.abs(pieces_weight - weight) <= 1e-5 * weight))
+    spare = ops.where(counted, a - c, 1.0)
+    trace = (small - large) / spare
+    gradient = (a * large - c * small) / spare
     return (ops.where(counted, trace, 0.0), ops.where(counted, gradient, 0.0), counted)
 
 
@@ -143,8 +163,7 @@ def window_closed(record, sums, weight) -> list:
     if not record.has("noise_pieces_norm"):
         return sums
     trace, gradient, counted = window_estimates(
-        record.get("noise_pieces_norm"), record.get("noise_pieces"),
-        record.get("noise_samples"),
+        *(record.get(name) for name in PIECES),
         squared_norm(overwrite.ordinary(sums, record.overwrites)), weight)
     for name, value in (("noise_trace", trace), ("noise_gradient", gradient)):
         held = record.get(name)
@@ -190,8 +209,11 @@ class NoiseScaleSchedule:
         micro_batch_size: the samples in each micro-batch (`fit`'s `batch_size`).
         min_steps: the fewest micro-batches per window, >= 2 (a window of one
             micro-batch on one device measures nothing).
-        max_steps: the most (None: no bound).
-        initial_steps: k until the first estimate (None: `min_steps`).
+        max_steps: the most (None: `LARGEST_STEPS`, 2**20). Late in training the
+            noise scale grows without bound as |G|^2 nears 0: a bound keeps
+            several updates per epoch.
+        initial_steps: k until the first estimate, from `min_steps` to
+            `max_steps` (None: `min_steps`).
         every: `"epoch"`, or an integer N >= 1 of updates.
 
     Example (on any backend):
@@ -210,7 +232,10 @@ class NoiseScaleSchedule:
         self.max_steps = (None if max_steps is None
                           else _integer("max_steps", max_steps, self.min_steps))
         self.initial_steps = (self.min_steps if initial_steps is None
-                              else _integer("initial_steps", initial_steps, 1))
+                              else _integer("initial_steps", initial_steps, self.min_steps))
+        if self.max_steps is not None and self.initial_steps > self.max_steps:
+            raise ValueError("`initial_steps` must be at most `max_steps`. Received: "
+                             f"initial_steps={initial_steps!r}, max_steps={max_steps!r}")
         if not (every == "epoch" or (_is_int(every) and int(every) >= 1)):
             raise ValueError('`every` must be "epoch" or an integer >= 1 of updates. '
                              f"Received: every={every!r}")
@@ -221,8 +246,13 @@ class NoiseScaleSchedule:
         no estimate)."""
         if not math.isfinite(estimate):
             return None
-        steps = max(self.min_steps, round(estimate / self.micro_batch_size))
-        return steps if self.max_steps is None else min(steps, self.max_steps)
+        return int(min(max(self.min_steps, round(estimate / self.micro_batch_size)),
+                       self.largest))
+
+    @property
+    def largest(self) -> int:
+        """The largest k: `max_steps`, else `LARGEST_STEPS`."""
+        return LARGEST_STEPS if self.max_steps is None else self.max_steps
 
     def get_config(self) -> dict:
         return {"micro_batch_size": self.micro_batch_size, "min_steps": self.min_steps,
@@ -285,10 +315,8 @@ def followed_length(schedule: NoiseScaleSchedule, record, opening):
         due = (opening & (updates > 0) & (updates % schedule.every == 0)
                & (record.get("noise_windows") > 0) & (gradient > 0))
         estimate = trace / ops.where(gradient > 0, gradient, 1.0)
-        steps = ops.maximum(ops.round(estimate / schedule.micro_batch_size),
-                            schedule.min_steps)
-        if schedule.max_steps is not None:
-            steps = ops.minimum(steps, schedule.max_steps)
+        steps = ops.clip(ops.round(estimate / schedule.micro_batch_size),
+                         schedule.min_steps, schedule.largest)
         held = ops.where(due, ops.cast(steps, "int32"), held)
     record.set("noise_steps", held)
     return ops.where(opening, held, ops.cast(record.get("window_steps"), "int32"))

@@ -106,10 +106,15 @@ NOISE = (
     Field("noise_pieces_norm", "weight", reset=True,
           doc="the open window's sum over its pieces (its accepted micro-batches, or "
               "their replicas' shares) of |w_p g_p|^2 / w_p"),
-    Field("noise_pieces", "count", reset=True,
+    Field("noise_spread", "weight", reset=True,
+          doc="its pieces' sum of w_p / n_p (n_p: a piece's samples)"),
+    Field("noise_spread_squared", "weight", reset=True,
+          doc="its pieces' sum of w_p^2 / n_p"),
+    Field("noise_pieces", "weight", reset=True,
           doc="the open window's pieces of nonzero weight"),
-    Field("noise_samples", "weight", reset=True,
-          doc="the samples of the open window's accepted micro-batches"),
+    Field("noise_pieces_weight", "weight", reset=True,
+          doc="their total weight (the window's, unless its first micro-batches came "
+              "before the noise scale was kept)"),
     Field("noise_trace", "weight",
           doc="the sum, over the windows closed since the last reading, of their "
               "estimate of tr(Sigma) in samples"),

@@ -52,6 +52,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from gradaccum.backends.jax.split_step import Shards
+from gradaccum.core import transitions as tr
 
 # Added to a seed's first word times the device's index: a distinct stream per device.
 _SEED_STRIDE = 0x9E3779B1
@@ -390,12 +391,17 @@ def gradients(step, carry, x, y, sample_weight, weighted):
                         f"the training step changes {kind} variable "
                         f"{reference.path!r} from each device's samples")
         loss = (unscaled.astype("float32") * share)[None]
-        # The noise scale's pieces: each device's share, |g_d|^2 / n_d summed.
-        squared = sum(jnp.sum(jnp.square(g.astype("float32"))) for g in grads)
-        mine = jnp.asarray(total * share, "float32")
-        pieces = jax.lax.psum(jnp.stack([
-            jnp.where(mine > 0, squared / jnp.where(mine > 0, mine, 1.0), 0.0),
-            (mine > 0).astype("float32")]), axes) if noise else jnp.zeros((2,))
+        # The noise scale's pieces: each device's share of weight w_d (its
+        # normalizer) and n_d samples (`noise_scale.add_piece`).
+        pieces = jnp.zeros((5,))
+        if noise:
+            squared = sum(jnp.sum(jnp.square(g.astype("float32"))) for g in grads)
+            mine = jnp.asarray(total * share, "float32")
+            safe = jnp.where(mine > 0, mine, 1.0)
+            samples = jnp.asarray(tr.samples(x), "float32")
+            pieces = jax.lax.psum(jnp.where(mine > 0, jnp.stack([
+                squared / safe, safe / samples, safe * safe / samples, 1.0, safe]), 0.0),
+                axes)
         held = [g[None] if dim is None else
                 jax.lax.psum_scatter(g, axes, scatter_dimension=dim, tiled=True)
                 for g, dim in zip(grads, rows.dims)]
@@ -414,7 +420,7 @@ def gradients(step, carry, x, y, sample_weight, weighted):
       (x, y, sample_weight))
     step.forward_state = list(moved)
     step.forward_metrics = list(updated)
-    step.noise_pieces = (pieces[0], pieces[1]) if noise else None
+    step.noise_pieces = list(pieces) if noise else None
     return jnp.sum(losses), y_pred, total, list(held), [total], weighted, None
 
 

@@ -422,6 +422,11 @@ class Accumulation(adapter.Accumulation):
 
     # Logs ---------------------------------------------------------------------------
 
+    def logged_prefix(self) -> str:
+        if self.step is not None and self.step.appliers:
+            return window_prefix(self.step.primary_index)
+        return ""
+
     def last_window(self) -> tuple:
         assert self.state is not None, "called with a state"
         named = self.state.named()

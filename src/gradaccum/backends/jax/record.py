@@ -208,7 +208,8 @@ class WindowRecord(FitRecord):
         apply = jnp.asarray(apply) & self.holds()
 
         # The fields the update writes (the noise scale's sums): carried through it.
-        written = [name for name in noise_scale.TOTALS if name in carry.fields]
+        written = [self.prefix + name for name in noise_scale.TOTALS
+                   if self.prefix + name in carry.fields]
 
         def branch(run):
             def fn(operands):

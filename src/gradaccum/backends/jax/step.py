@@ -99,10 +99,11 @@ class TrainStep:
         # A window of one micro-batch (steps=1) in Keras's step: the micro-batch's
         # gradient is the window's, applied without passing through the accumulators
         # (as TensorFlow's step does): no pass to add it, none to read and reset it.
-        # (Not with the noise scale, whose pieces are the devices' shares.)
+        # (Not with the noise scale under a distribution, whose pieces are the
+        # devices' shares.)
         self.direct = (own_step is None and not options.split and not self.loss_scaled
                        and options.window.constant == 1 and options.privacy is None
-                       and not options.noise_scale)
+                       and not (options.noise_scale and state.rows is not None))
         # DP-SGD: the root key of the window's noise (`privacy.noised`).
         self.privacy = options.privacy
         self.noise_key = None

@@ -327,6 +327,9 @@ class Accumulation(adapter.Accumulation):
 
     # Logs --------------------------------------------------------------------------
 
+    def logged_prefix(self) -> str:
+        return _logs.logged_prefix(self)
+
     def last_window(self) -> tuple:
         optimizer = _logs.updating_optimizer(self)
         window = _logs.last_window(self)

@@ -65,6 +65,20 @@ def updating_optimizer(accumulation):
     return used[0]
 
 
+def logged_prefix(accumulation) -> str:
+    """The prefix of the saved names of the accumulator that applies with the
+    updating optimizer ("" for the exact step's, `own_<j>_` for a model's own
+    step's)."""
+    optimizer = updating_optimizer(accumulation)
+    state = accumulation.state
+    if state.accumulator is not None and accumulation.host.optimizer is optimizer:
+        return ""
+    for j, (_, owner) in enumerate(state.own):
+        if owner is optimizer:
+            return f"own_{j}_"
+    return "own_0_" if state.own else ""
+
+
 def last_window(accumulation) -> dict:
     """What the last update's window held (`window_micro_batches`, `window_weight`),
     of the accumulator that applies with the updating optimizer; empty before there

@@ -25,7 +25,6 @@ def exact_step(accumulation, data):
     # the accumulators' copy.
     single = accumulation.options.window.constant == 1 and not (
         accumulation.options.privacy is not None
-        or accumulation.options.noise_scale  # its pieces may be the replicas' shares
         or tf.distribute.has_strategy()
         or kc.is_loss_scale_optimizer(host.optimizer)
         or acc.batch_normalization_layers

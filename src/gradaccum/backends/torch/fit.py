@@ -208,6 +208,9 @@ class Accumulation(adapter.Accumulation):
 
     # Logs ---------------------------------------------------------------------------
 
+    def logged_prefix(self) -> str:
+        return window_prefix(min(self._appliers() or {0: None}))
+
     def last_window(self) -> tuple:
         assert self.state is not None, "called with a state"
         named = self.state.variables

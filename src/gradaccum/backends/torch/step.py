@@ -144,11 +144,10 @@ class TrainStep:
         self.growth_steps = (int(model.optimizer.dynamic_growth_steps)
                              if self.loss_scaled else None)
         # A window of one micro-batch in Keras's step: its gradients go to the
-        # update as they are (no pass through the sums; not with the noise scale,
-        # whose pieces may be the processes' shares).
+        # update as they are (no pass through the sums).
         self.direct = (accumulation.own_train_step is None and not self.options.split
                        and not self.loss_scaled and self.options.window.constant == 1
-                       and self.options.privacy is None and not self.options.noise_scale)
+                       and self.options.privacy is None)
         self.warned_no_compiled_loss = False
         # A model's own step: the optimizers it applies that are not routed.
         self.unrouted = kc.UnroutedUpdates()
