@@ -180,6 +180,7 @@ class Accumulation(Adapter):
         left open is closed as `partial` says when the next `fit` starts, or by
         `gradaccum.end_of_data` (or `disable`)."""
         self.check_optimizers()
+        epochs.warn_loop_schedule(self)
         with self.building():
             logs = train_on_batch(*args, **kwargs)
         if self.state is not None:

@@ -155,6 +155,19 @@ def noise_logs(accumulation, logs) -> None:
             held.assign(np.asarray(following).astype(held.numpy().dtype))
 
 
+def warn_loop_schedule(accumulation) -> None:
+    """Before a `train_on_batch` call: warns once that a `NoiseScaleSchedule` set
+    by epochs does not move there (no epoch ends in a loop of calls)."""
+    schedule = accumulation.options.window.steps
+    if (isinstance(schedule, noise_scale.NoiseScaleSchedule) and schedule.every == "epoch"
+            and "loop_schedule" not in accumulation._warned):
+        accumulation._warned.add("loop_schedule")
+        warnings.warn(
+            "NoiseScaleSchedule(every='epoch') sets k at fit's epochs: in a loop of "
+            f"train_on_batch calls k stays {schedule.initial_steps}. Pass every=N to "
+            "set it every N updates.", stacklevel=4)
+
+
 def begin_fit(accumulation, hook, epochs, callbacks, kwargs):
     """As `fit` starts: `hook` first among the callbacks (and told whether there are
     epochs to run), the train function made again when the fit's ability to restore

@@ -386,3 +386,11 @@ def test_a_skipped_micro_batch_is_no_piece_of_its_window():
     assert history["skipped"] == [1.0]
     expected = reference_estimate(x, y, weights, 4, 8, skipped={5})
     np.testing.assert_allclose(history["noise_scale"][0], expected, rtol=1e-4)
+
+
+def test_a_loop_of_train_on_batch_calls_warns_that_epochs_set_k():
+    x, y, weights, _ = linear_data(1.0, 32, seed=11)
+    model = linear(weights, steps=gradaccum.NoiseScaleSchedule(micro_batch_size=8))
+    with pytest.warns(UserWarning, match=r"NoiseScaleSchedule\(every='epoch'\) sets k at "
+                                         r"fit's epochs.*k stays 2\. Pass every=N"):
+        model.train_on_batch(x[:8], y[:8])

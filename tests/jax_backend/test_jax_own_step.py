@@ -825,3 +825,22 @@ def test_fit_says_once_that_several_optimizers_may_be_approximate():
         warnings.simplefilter("always")
         model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
     assert not [w for w in caught if "approximate" in str(w.message)]
+
+
+def test_a_gan_measures_the_noise_scale_of_its_updating_optimizer():
+    # Two optimizers, each its own window record: each record's readings ride
+    # through its own update, the logs read the first optimizer's (as `updates`),
+    # and training is as without the noise scale, bit for bit.
+    x, y = data(28)
+    runs = []
+    for noise in (False, True):
+        model = _gan(dict(steps=3, noise_scale=noise))
+        runs.append((model, model.fit(x, y, batch_size=4, epochs=2, shuffle=False,
+                                      verbose=0).history))
+    (plain, _), (measured, history) = runs
+    for a, b in zip(plain.get_weights(), measured.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    assert len(history["noise_scale"]) == 2
+    named = accumulation_of(measured).saved_variables()
+    # Windows of 3, 3 and 1 micro-batches an epoch: two count, in each record.
+    assert [int(named[f"window_{j}_noise_windows"].numpy()) for j in (1, 2)] == [2, 2]
