@@ -5,7 +5,7 @@ H200; and the tables `benchmarks/equal.py --write` wrote into BENCHMARKS.md).
 
     python scripts/figures.py [OUT_DIR]     (default: docs/figures)
 
-Writes four PNG files:
+Writes five PNG files:
 
 - `throughput.png`: per workload, micro-batch size b and window length k, the samples
   per second of gradaccum (its `wrap`, which those rows measured) and of Keras's
@@ -15,7 +15,10 @@ Writes four PNG files:
 - `gpu.png`: the GPU cell per backend and precision (samples per second of Keras's
   built-in and of `accumulate` over plain `fit`) and its peak device memory;
 - `backends.png`: every cell of each backend's CPU grid, `accumulate` over plain `fit`
-  and over Keras's built-in.
+  and over Keras's built-in;
+- `noise-scale.png`: the gradient noise scale of the seed experiment against updates
+  (`docs/experiment/results.json`, the default `gradaccum sweep` on JAX), drawn by
+  the sweep's own panel (`gradaccum.experiments.report.noise_panel`).
 
 Every figure is drawn at the width of the page's content column (`WIDTH` inches) with
 no text under `SMALLEST` points, so the page shows it at its size; each contender has
@@ -35,6 +38,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results.json"
 GPU = ROOT / "benchmarks" / "gpu-h200.jsonl"
 RECORD = ROOT / "BENCHMARKS.md"
+EXPERIMENT = ROOT / "docs" / "experiment" / "results.json"
 BACKENDS = {"tensorflow": "TensorFlow", "jax": "JAX", "torch": "PyTorch"}
 
 # The page's content column is about 670-740 px wide (the material theme with both
@@ -293,6 +297,22 @@ def backends(grids: dict):
     return figure
 
 
+def noise_scale(sweep: dict):
+    """The seed experiment's gradient noise scale against updates: each split's, and
+    the run whose k follows it with its batch, beside the splits' 100 samples per
+    update (the guide "Choosing k")."""
+    from gradaccum.experiments import report
+
+    figure, ax = _figure(3.8)
+    report.noise_panel(ax, sweep["configs"], name="gradaccum ")
+    ax.set_title("")
+    figure.suptitle("The gradient noise scale of the seed experiment (MNIST, MLP, Adam; "
+                    f"median of {sweep['settings']['runs']} runs)")
+    ax.grid(linewidth=0.4, alpha=0.5)
+    ax.legend(loc="upper right", frameon=False)
+    return figure
+
+
 def draw() -> dict:
     """Every figure, drawn from the records: name -> matplotlib Figure."""
     import matplotlib
@@ -303,7 +323,8 @@ def draw() -> dict:
         return {"throughput": throughput(record["throughput"]),
                 "memory": memory(record["memory"]),
                 "gpu": gpu(lines),
-                "backends": backends(grid_tables(RECORD.read_text()))}
+                "backends": backends(grid_tables(RECORD.read_text())),
+                "noise-scale": noise_scale(json.loads(EXPERIMENT.read_text()))}
 
 
 def main(argv=None) -> int:

@@ -78,7 +78,7 @@ def _legend_entries(figure, ax) -> list[tuple[str, str]]:
 def test_every_figure_is_the_pages_width_with_no_text_under_9_points(drawn):
     from matplotlib.text import Text
 
-    assert set(drawn) == {"throughput", "memory", "gpu", "backends"}
+    assert set(drawn) == {"throughput", "memory", "gpu", "backends", "noise-scale"}
     assert figures.SMALLEST >= 9
     # A figure as wide as the content column (about 670-740 px at 96 px per inch) is
     # shown at about its size: its points are the reader's.
@@ -127,7 +127,7 @@ def test_each_contender_has_one_colour_in_every_figure(drawn):
 
 def test_the_figures_are_written_as_png_at_the_pages_width(tmp_path):
     assert figures.main([str(tmp_path)]) == 0
-    for name in ("throughput", "memory", "gpu", "backends"):
+    for name in ("throughput", "memory", "gpu", "backends", "noise-scale"):
         data = (tmp_path / f"{name}.png").read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n", name
         width, _ = struct.unpack(">II", data[16:24])
@@ -190,3 +190,29 @@ def test_the_seed_experiments_figure_takes_its_colours_from_the_sites_table():
     assert report.ACCUMULATED == figures.COLOURS["gradaccum"]
     assert report.LARGE_BATCH == figures.COLOURS["plain fit at k×b"]
     assert report.CONTRAST == figures.COLOURS["plain fit at b"]
+
+
+def test_the_noise_scale_figure_draws_the_seed_experiments_readings(drawn):
+    """docs/figures/noise-scale.png (the guide "Choosing k"): each split's median
+    reading at its evaluation points, the batch k x b of the run that follows the
+    noise scale, and the splits' 100 samples per update."""
+    import json
+
+    import numpy as np
+
+    sweep = json.loads(figures.EXPERIMENT.read_text())
+    rows = {row["label"]: row for row in sweep["configs"]}
+    (ax,) = drawn["noise-scale"].axes
+    lines = {line.get_label(): line for line in ax.lines}
+    for label in ("5x20", "10x10", "20x5"):
+        line = lines[f"gradaccum {label}"]
+        assert list(line.get_xdata()) == [u for u, _ in rows[label]["runs"][0]["curve"]]
+        np.testing.assert_allclose(line.get_ydata(), rows[label]["noise_scale"])
+    assert not any(label.startswith("gradaccum 1x100") for label in lines)
+    follow = rows["5..50x20 (follows the noise scale)"]
+    batch = lines["gradaccum 5..50x20 (follows B_simple): its batch k x b"]
+    mean_steps = np.mean([run["steps"] for run in follow["runs"]], axis=0)
+    np.testing.assert_allclose(batch.get_ydata(), 20 * mean_steps)
+    assert 5 <= mean_steps.min() and mean_steps.max() <= 50
+    (seed,) = [line for line in ax.lines if line.get_gid() == "equal"]
+    assert list(seed.get_ydata()) == [100, 100]

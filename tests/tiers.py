@@ -633,6 +633,11 @@ SLOW = [
     "test_cli.py::test_sweep_runs_the_split_form",
     "test_cli.py::test_source_1x100_on_the_full_set_passes_90_percent_in_200_updates",
     "test_cli.py::test_first_line_names_the_data_even_when_keras_tries_a_download",
+    # Issue 68: sweeps that read the noise scale (the noise table's format and the
+    # agreement's arithmetic stay in the fast tier).
+    "test_cli.py::test_sweep_reads_the_noise_scale_per_split_and_follows_it",
+    "test_cli.py::test_the_splits_of_one_run_read_the_same_noise_scale",
+    "test_cli.py::test_split_and_steps_forms_read_the_same_noise_scale",
     # Issue 55 (float8): the large-batch equivalences take 3-10 s each per backend; the
     # custom loop's maximum stands for them in the fast tier (a FEATURES row).
     "contract/test_float8.py::test_a_float8_block_trains_as_the_large_batch",

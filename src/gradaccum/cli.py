@@ -22,6 +22,10 @@ import time
 from gradaccum import _tf
 
 SOURCE_CONFIGS = "1x100,5x20,10x10,20x5"
+# The row whose k follows the gradient noise scale, with the source's configurations:
+# micro-batches of 20, from the source's 100 samples per update (k = 5) up to 1,000
+# (k = 50: ten windows or more in each stretch between two evaluations).
+SOURCE_FOLLOW = "5..50x20"
 # Keras's backends, fastest first for the experiment's MLP on a CPU (BENCHMARKS.md:
 # the seed sweep on each backend): the default when KERAS_BACKEND is not set.
 BACKENDS = ("jax", "tensorflow", "torch")
@@ -89,6 +93,23 @@ def _configs(text: str) -> list[tuple[int, int]]:
             )
         pairs.append((_positive_int(parts[0]), _positive_int(parts[1])))
     return pairs
+
+
+def _follow(text: str) -> tuple[int, int, int]:
+    """`KMIN..KMAXxB`: micro-batches of B, k between KMIN (>= 2, the first k) and
+    KMAX."""
+    steps, _, size = text.strip().lower().rpartition("x")
+    least, _, most = steps.partition("..")
+    values: tuple[int, int, int] | None
+    try:
+        values = (int(least), int(most), int(size))
+    except ValueError:
+        values = None
+    if values is None or not 2 <= values[0] <= values[1] or values[2] < 1:
+        raise argparse.ArgumentTypeError(
+            f"must be KMIN..KMAXxB with 2 <= KMIN <= KMAX and B >= 1 (e.g. "
+            f"{SOURCE_FOLLOW}), got {text!r}")
+    return values
 
 
 def _common(parser: argparse.ArgumentParser, runs_default: int) -> None:
@@ -169,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     sweep = sub.add_parser(
         "sweep", help="run the source's four configurations and plot them",
         description="Run several configurations with the same number of samples per "
-                    "update, print a table, write results.json, results.csv and "
+                    "update, print a table of their accuracy and one of their gradient "
+                    "noise scale over training, write results.json, results.csv and "
                     f"sweep.png; {STD_NOTE}.",
     )
     sweep.add_argument("--configs", type=_configs, default=_configs(SOURCE_CONFIGS),
@@ -182,6 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--no-contrast", dest="contrast", action="store_false",
                        help="skip plain Keras training at the smallest b (the contrast: "
                             "one update per micro-batch, no gradaccum)")
+    sweep.add_argument("--follow", type=_follow, default=None,
+                       help="add a configuration whose k follows the gradient noise "
+                            "scale: micro-batches of B, k from KMIN up to KMAX "
+                            "(KMIN..KMAXxB; default with the source's configurations "
+                            f"{SOURCE_FOLLOW}, else none), on the samples of the others")
+    sweep.add_argument("--no-follow", dest="follow", action="store_false",
+                       help="leave out the configuration that follows the noise scale")
     sweep.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/sweep"),
                        help="folder for results.json, results.csv and sweep.png "
                             "(default runs/sweep)")
@@ -406,6 +435,21 @@ def _train_config(parser, args):
     return Config(steps, micro, args.iterations, split=True)
 
 
+def _follow_config(args, configs):
+    """The configuration whose k follows the noise scale (`--follow`), trained on as
+    many samples as the most the others train on; None without one."""
+    from gradaccum.experiments.runner import Config
+
+    follow = args.follow
+    if follow is None:  # the default: with the source's configurations only
+        follow = _follow(SOURCE_FOLLOW) if args.configs == _configs(SOURCE_CONFIGS) else False
+    if follow is False:
+        return None
+    least, most, size = follow
+    samples = max(config.samples for config, _ in configs)
+    return Config(least, size, max(1, samples // size), max_steps=most)
+
+
 def _sweep(parser, args) -> int:
     from gradaccum.experiments import report
     from gradaccum.experiments.parallel import Task
@@ -414,9 +458,13 @@ def _sweep(parser, args) -> int:
     data = _load(parser, args)
     configs = [(Config(k, b, k * args.updates, split=args.split), False)
                for k, b in args.configs]
+    smallest = min(configs, key=lambda c: c[0].batch_size)[0]
+    follow = _follow_config(args, configs)
+    if follow is not None:
+        configs.append((follow, False))
     if args.contrast:
-        smallest = min(configs, key=lambda c: c[0].batch_size)[0]
-        # Plain Keras training at that b: one update per micro-batch, no gradaccum.
+        # Plain Keras training at the smallest b: one update per micro-batch, no
+        # gradaccum.
         configs.append((Config(1, smallest.batch_size, smallest.iterations, plain=True),
                         True))
     for config, _ in configs:
@@ -425,9 +473,10 @@ def _sweep(parser, args) -> int:
     # Every configuration's runs take the same seeds: run i of each sees the same
     # initial weights and the same samples in the same order.
     seeds = derive_seeds(args.seed, args.runs)
-    tasks = [Task(config, seed, _options(args)) for config, _ in configs for seed in seeds]
+    options = _options(args) | {"noise_scale": True}
+    tasks = [Task(config, seed, options) for config, _ in configs for seed in seeds]
     args.jobs_used = _jobs(args, len(tasks))
-    print(f"sweep: {', '.join(c.label + (' (no accumulation)' if x else '') for c, x in configs)}"
+    print(f"sweep: {', '.join(report.label(c, x) for c, x in configs)}"
           f"; {form}{args.runs} runs each, {args.model}, {args.optimizer} lr={args.lr:g}, "
           f"seed {args.seed}; {_where(args.backend, args.jobs_used)}", flush=True)
     start = time.perf_counter()
@@ -443,12 +492,21 @@ def _sweep(parser, args) -> int:
     rows = [report.config_summary(config, results[i * args.runs:(i + 1) * args.runs],
                                   contrast)
             for i, (config, contrast) in enumerate(configs)]
+    agreement = report.noise_agreement(rows)
     print(report.table(rows))
+    print("\ngradient noise scale B_simple (samples; median of the runs' readings, each "
+          "from the windows since the point before):")
+    print(report.noise_table(rows))
+    if agreement is not None:
+        print(f"{', '.join(agreement['configs'])} read it from the same runs: their "
+              f"readings differ by {100 * agreement['median']:.0f} % (median) and "
+              f"{100 * agreement['largest']:.0f} % at most (largest over smallest, "
+              "run by run)")
     args.out.mkdir(parents=True, exist_ok=True)
     settings = {k: str(v) if isinstance(v, pathlib.Path) else v for k, v in vars(args).items()}
     report.write_results(args.out / "results.json", {
         "data": data.describe(), "settings": settings, "std_ddof": 0,
-        "total_wall_time": total, "configs": rows,
+        "total_wall_time": total, "noise_scale_agreement": agreement, "configs": rows,
     })
     report.write_csv(args.out / "results.csv", rows)
     report.plot(args.out / "sweep.png", rows,

@@ -10,6 +10,8 @@ from typing import Any, SupportsFloat, SupportsIndex, TypeAlias
 
 import numpy as np
 
+from gradaccum.core.noise_scale import NoiseScaleSchedule
+
 Integer: TypeAlias = SupportsIndex
 """An integer: a Python `int`, or anything with `__index__` (NumPy's integers)."""
 
@@ -17,10 +19,10 @@ Real: TypeAlias = SupportsFloat
 """A real number: anything `float()` takes (Python's and NumPy's numbers)."""
 
 Steps: TypeAlias = (SupportsIndex | Sequence[Sequence[SupportsIndex]] | np.ndarray
-                    | Callable[[Any], Any])
+                    | Callable[[Any], Any] | NoiseScaleSchedule)
 """`steps`, the micro-batches per update: an integer; or a schedule, as
-`(from_update, k)` pairs (tuples, lists or an `(n, 2)` array) or a callable
-`update_index -> k`."""
+`(from_update, k)` pairs (tuples, lists or an `(n, 2)` array), a callable
+`update_index -> k`, or a `NoiseScaleSchedule` (k follows the noise scale)."""
 
 Weighting: TypeAlias = str | Callable[[Any, Any, Any], Any]
 """`weighting`: `"exact"`, `"uniform"`, or a callable `(x, y, sample_weight) -> weight`."""

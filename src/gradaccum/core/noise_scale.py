@@ -162,8 +162,9 @@ def window_closed(record, sums, weight) -> list:
     record's noise fields. Returns `sums`."""
     if not record.has("noise_pieces_norm"):
         return sums
+    held = [record.get(name) for name in PIECES]
     trace, gradient, counted = window_estimates(
-        *(record.get(name) for name in PIECES),
+        held[0], held[1], held[2], held[3], held[4],
         squared_norm(overwrite.ordinary(sums, record.overwrites)), weight)
     for name, value in (("noise_trace", trace), ("noise_gradient", gradient)):
         held = record.get(name)
