@@ -521,6 +521,11 @@ SLOW = [
     "jax_backend/test_jax_split.py::test_auto_other_errors_are_not_retried",
     "jax_backend/test_jax_distribution.py::"
     "test_data_and_model_parallel_on_four_devices_equal_one_device",
+    # The same 4-device child process (issue 68's pieces under DataParallel), and
+    # two replicas over 8,192 samples.
+    "jax_backend/test_jax_distribution.py::"
+    "test_the_noise_scale_counts_each_devices_share_as_a_piece",
+    "test_distribute.py::test_the_noise_scale_counts_each_replicas_share_as_a_piece",
     "jax_backend/test_jax_own_step.py::test_a_window_carried_across_fits_equals_the_windows",
     "jax_backend/test_jax_own_step.py::test_a_step_that_delegates_to_keras_default_step",
     "jax_backend/test_jax_own_step.py::"
