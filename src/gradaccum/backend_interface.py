@@ -119,8 +119,22 @@ class Record:
 
     def squared_norm(self, gradients):
         """The squared norm of all of `gradients` together (the noise scale's
-        piece, `core.noise_scale`), a float32 scalar."""
+        piece, `core.noise_scale`), a float32 scalar: the one the screen computed
+        for these gradients (`screened`) where it did, else `norm_of`'s."""
+        screened = getattr(self, "_screened", None)
+        if screened is not None and len(screened[0]) == len(gradients) and all(
+                a is b for a, b in zip(screened[0], gradients)):
+            return screened[1]
+        return self.norm_of(gradients)
+
+    def norm_of(self, gradients):
+        """The backend's squared norm of `gradients` together (float32)."""
         return noise_scale.squared_norm(gradients)
+
+    def screened(self, gradients, squared) -> None:
+        """The screen (`all_finite`) computed `squared`, the squared norm of
+        `gradients`: `squared_norm` takes it from here (one pass for both)."""
+        self._screened = (list(gradients), squared)
 
     def fail(self, error, code: str, at, value=None) -> None:
         """`error` (a boolean tensor) says a micro-batch broke a rule (`ERRORS`'s

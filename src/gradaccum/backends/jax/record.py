@@ -177,17 +177,10 @@ class WindowRecord(FitRecord):
         # With the noise scale, its squared norm is the screen's pass too: finite
         # decides; else (an inf, a nan, or squares that overflowed) the element-wise
         # check, in a branch that runs only then.
-        squared = noise_scale.squared_norm(gradients)
-        self._screened = (list(gradients), squared)
+        squared = self.norm_of(gradients)
+        self.screened(gradients, squared)
         return jax.lax.cond(jnp.isfinite(squared), lambda: jnp.asarray(True),
                             lambda: all_finite(gradients))
-
-    def squared_norm(self, gradients):
-        screened = getattr(self, "_screened", None)
-        if screened is not None and len(screened[0]) == len(gradients) and all(
-                a is b for a, b in zip(screened[0], gradients)):
-            return screened[1]
-        return noise_scale.squared_norm(gradients)
 
     def add_sums(self, gradients, factor, accept) -> None:
         fields = self.carry.fields

@@ -120,14 +120,10 @@ class VariableRecord(ModuleRecord):
             return finite.all_finite(gradients)
         # With the noise scale, its squared norm is the screen's pass too.
         verdict, squared = finite.finite_and_norm(gradients)
-        self._screened = (list(gradients), squared)
+        self.screened(gradients, squared)
         return verdict
 
-    def squared_norm(self, gradients):
-        screened = getattr(self, "_screened", None)
-        if screened is not None and len(screened[0]) == len(gradients) and all(
-                a is b for a, b in zip(screened[0], gradients)):
-            return screened[1]
+    def norm_of(self, gradients):
         return finite.squared_norm(gradients)
 
     def add_sums(self, gradients, factor, accept) -> None:

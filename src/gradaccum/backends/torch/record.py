@@ -339,14 +339,10 @@ class WindowRecord(FieldRecord):
             return all_finite(gradients)
         # With the noise scale, its squared norm is the screen's reduction too.
         verdict, squared = finite_and_norm(gradients)
-        self._screened = (list(gradients), squared)
+        self.screened(gradients, squared)
         return verdict
 
-    def squared_norm(self, gradients):
-        screened = getattr(self, "_screened", None)
-        if screened is not None and len(screened[0]) == len(gradients) and all(
-                a is b for a, b in zip(screened[0], gradients)):
-            return screened[1]
+    def norm_of(self, gradients):
         return squared_norm(gradients)
 
     def noised(self, sums) -> list:
