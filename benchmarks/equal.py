@@ -260,8 +260,12 @@ def markers(backend: str, section: str = ""):
 
 
 def write_section(text: str, backend: str, section: str = "") -> None:
+    write_between(*markers(backend, section), text)
+
+
+def write_between(begin: str, end: str, text: str) -> None:
+    """BENCHMARKS.md with `text` between the marks `begin` and `end`."""
     path = ROOT / "BENCHMARKS.md"
-    begin, end = markers(backend, section)
     current = path.read_text()
     if begin not in current:
         raise SystemExit(f"BENCHMARKS.md has no section marked {begin!r}")

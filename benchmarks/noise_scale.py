@@ -326,14 +326,9 @@ def markers(part: str, backend: str):
 
 
 def write_section(text: str, part: str, backend: str) -> None:
-    path = ROOT / "BENCHMARKS.md"
-    begin, end = markers(part, backend)
-    current = path.read_text()
-    if begin not in current:
-        raise SystemExit(f"BENCHMARKS.md has no section marked {begin!r}")
-    head, _, rest = current.partition(begin)
-    _, _, tail = rest.partition(end)
-    path.write_text(f"{head}{begin}\n{text}\n{end}{tail}")
+    from equal import write_between
+
+    write_between(*markers(part, backend), text)
 
 
 def _ints(text: str):

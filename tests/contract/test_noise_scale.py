@@ -40,6 +40,15 @@ def linear(weights, **options):
     return model
 
 
+def unequal_batches(x, y):
+    """Micro-batches of 4, 8 and 12 samples in turn."""
+    start = 0
+    while start < len(x):
+        for size in (4, 8, 12):
+            yield x[start:start + size], y[start:start + size]
+            start += size
+
+
 @pytest.mark.parametrize("r_norm", [1.0, 2.0])
 def test_an_epoch_of_8_x_8_windows_lands_within_15_percent_of_the_truth(r_norm):
     # 128 windows of 8 micro-batches of 8 samples. (Over 40 seeds of the same
@@ -56,15 +65,8 @@ def test_unequal_micro_batches_weigh_by_their_size():
     # is a piece of its own size.
     x, y, weights, truth = linear_data(1.0, 24 * 400, seed=1)
 
-    def batches():
-        start = 0
-        while start < len(x):
-            for size in (4, 8, 12):
-                yield x[start:start + size], y[start:start + size]
-                start += size
-
     model = linear(weights, steps=3, noise_scale=True)
-    history = model.fit(batches(), epochs=1, verbose=0)
+    history = model.fit(unequal_batches(x, y), epochs=1, verbose=0)
     estimate = history.history["noise_scale"][0]
     assert abs(estimate / truth - 1) < 0.15, (estimate, truth)
 
@@ -322,15 +324,9 @@ def test_uniform_weights_over_unequal_micro_batches_count_their_samples():
     # its gradient's noise is its samples'.
     x, y, weights, truth = linear_data(1.0, 24 * 400, seed=10)
 
-    def batches():
-        start = 0
-        while start < len(x):
-            for size in (4, 8, 12):
-                yield x[start:start + size], y[start:start + size]
-                start += size
-
     model = linear(weights, steps=3, noise_scale=True, weighting="uniform")
-    estimate = model.fit(batches(), epochs=1, verbose=0).history["noise_scale"][0]
+    estimate = model.fit(unequal_batches(x, y), epochs=1,
+                         verbose=0).history["noise_scale"][0]
     assert abs(estimate / truth - 1) < 0.15, (estimate, truth)
 
 

@@ -16,9 +16,8 @@ epoch too.
 from __future__ import annotations
 
 import pathlib
+import sys
 
-import jax
-import jax.numpy as jnp
 import keras
 import numpy as np
 import pytest
@@ -27,6 +26,11 @@ import gradaccum
 from gradaccum.experiments import data as data_module
 from gradaccum.experiments.models import build_model
 
+sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "benchmarks"))
+# The benchmark's truth: each digit's own gradient (`jax.vmap`), tr(Sigma) / |G|^2.
+from noise_scale import loss as _loss  # noqa: E402
+from noise_scale import per_example_truth  # noqa: E402
+
 SHARED_MNIST = pathlib.Path(__file__).resolve().parents[3] / "shared" / "data" / "mnist"
 # The full MNIST wherever it already is (as tests/test_cli.py finds it).
 MNIST = SHARED_MNIST if SHARED_MNIST.is_dir() else data_module.cached_mnist()
@@ -34,38 +38,6 @@ MNIST = SHARED_MNIST if SHARED_MNIST.is_dir() else data_module.cached_mnist()
 DIGITS, STEPS, MICRO_BATCH, PASSES = 2048, 8, 64, 16
 SEED = 0
 POINTS = (30, 100)  # Adam's updates at batch 64 before each point
-
-
-def _loss():
-    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
-def per_example_noise_scale(model, x, y):
-    """tr(Sigma) / |G|^2 from each digit's own gradient: tr(Sigma) their variance's
-    trace (N - 1 in the denominator), |G|^2 their mean's squared norm less tr(Sigma)/N
-    (unbiased)."""
-    loss = _loss()
-    fixed = [v.value for v in model.non_trainable_variables]
-
-    def example_loss(weights, xi, yi):
-        logits, _ = model.stateless_call(weights, fixed, xi[None], training=True)
-        return loss(yi[None], logits)
-
-    @jax.jit
-    def sums(weights, xc, yc):
-        grads = jax.vmap(jax.grad(example_loss), in_axes=(None, 0, 0))(weights, xc, yc)
-        total = jnp.concatenate([jnp.sum(g, axis=0).ravel() for g in grads])
-        return total, sum(jnp.sum(jnp.square(g)) for g in grads)
-
-    weights = [v.value for v in model.trainable_variables]
-    total, squares = 0.0, 0.0
-    for start in range(0, len(x), 512):
-        part, square = sums(weights, x[start:start + 512], y[start:start + 512])
-        total, squares = total + np.asarray(part, np.float64), squares + float(square)
-    n = len(x)
-    mean = total / n
-    trace = (squares - n * float(mean @ mean)) / (n - 1)
-    return trace / (float(mean @ mean) - trace / n)
 
 
 @pytest.mark.skipif(MNIST is None, reason="the official MNIST files are not on this "
@@ -89,7 +61,7 @@ def test_an_epochs_noise_scale_matches_per_example_gradients_at_two_points():
         taken = order_of_training[done * 64:updates * 64]
         trained.fit(x[taken], y[taken], batch_size=64, epochs=1, shuffle=False, verbose=0)
         done = updates
-        truth = per_example_noise_scale(trained, digits, labels)
+        truth = per_example_truth(trained, digits, labels)["B"]
         measuring.set_weights(trained.get_weights())
         history = measuring.fit(digits[order], labels[order], batch_size=MICRO_BATCH,
                                 epochs=1, shuffle=False, verbose=0)
